@@ -1,0 +1,77 @@
+"""Checks for the hooks' constructor arguments: each error names the argument and says what to pass."""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+
+def check_schedule(owner: str, save_steps: Any, save_secs: Any) -> None:
+    """Exactly one of `save_steps` (int >= 1) and `save_secs` (number > 0) must be set."""
+    if save_steps is None and save_secs is None:
+        raise ValueError(
+            f"`{owner}(save_steps=None, save_secs=None)`: exactly one of `save_steps` or `save_secs` must be "
+            f"set, e.g. `{owner}(save_steps=100)` or `{owner}(save_secs=60)`."
+        )
+    if save_steps is not None and save_secs is not None:
+        raise ValueError(
+            f"`{owner}(save_steps={save_steps!r}, save_secs={save_secs!r})`: set only one of `save_steps` or "
+            "`save_secs`, not both."
+        )
+    if save_steps is not None:
+        if isinstance(save_steps, bool) or not isinstance(save_steps, int):
+            raise TypeError(f"`{owner}(save_steps={save_steps!r})`: `save_steps` must be an int >= 1.")
+        if save_steps < 1:
+            raise ValueError(f"`{owner}(save_steps={save_steps!r})`: `save_steps` must be an int >= 1.")
+    if save_secs is not None:
+        if isinstance(save_secs, bool) or not isinstance(save_secs, (int, float)):
+            raise TypeError(f"`{owner}(save_secs={save_secs!r})`: `save_secs` must be a number of seconds > 0.")
+        if not math.isfinite(save_secs) or save_secs <= 0:
+            raise ValueError(f"`{owner}(save_secs={save_secs!r})`: `save_secs` must be a number of seconds > 0.")
+
+
+def check_bool(owner: str, name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"`{owner}({name}={value!r})`: `{name}` must be True or False.")
+    return value
+
+
+def expand_dir(owner: str, name: str, value: Any) -> str:
+    """Expand `~` and environment variables in a directory argument and check it could be written.
+
+    The directory itself is created later (at `begin`), so constructing a hook has no side effect.
+    """
+    if isinstance(value, bytes) or not isinstance(value, (str, os.PathLike)):
+        raise TypeError(f"`{owner}({name}={value!r})`: `{name}` must be a path (str or os.PathLike).")
+    path = os.path.abspath(os.path.expandvars(os.path.expanduser(os.fspath(value))))
+    probe = path
+    while not os.path.exists(probe):
+        parent = os.path.dirname(probe)
+        if parent == probe:
+            break
+        probe = parent
+    if not os.path.isdir(probe):
+        raise ValueError(
+            f"`{owner}({name}={value!r})`: {probe!r} is a file, not a directory; pass a directory for `{name}`."
+        )
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise ValueError(
+            f"`{owner}({name}={value!r})`: {probe!r} is not writable; pass a directory you can write to."
+        )
+    return path
+
+
+def make_dir(owner: str, name: str, path: str) -> None:
+    """Create the output directory now (before the first step) and prove a file can be written there."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        probe = os.path.join(path, f".{owner.lower()}-write-test-{os.getpid()}")
+        with open(probe, "wb"):
+            pass
+        os.unlink(probe)
+    except OSError as err:
+        raise ValueError(
+            f"`{owner}({name}={path!r})`: cannot write there ({err.strerror or err}); "
+            f"pass a directory you can write to."
+        ) from err

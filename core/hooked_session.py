@@ -1,0 +1,236 @@
+"""`HookedSession`: runs a list of `SessionRunHook`s through training steps with TF1's semantics.
+
+The adapters call, per step, `before_run(...)`, then the framework runs the step, then `after_run(...)`
+(or `abort_step()` if the step raised). Semantics, as `MonitoredSession._HookedSession` had them:
+- hooks are called in list order; one `SessionRunContext` per step is shared by all of them;
+- each hook gets back exactly the fetch structure it asked for; options merge (highest trace level wins);
+- two hooks feeding the same name is an error naming the name;
+- `request_stop()` takes effect after every `after_run` of the step; a failed step gets no `after_run`;
+- `end()` is the adapter's to call, on a clean finish or a requested stop only.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Hashable, Mapping, Sequence
+
+from core.session_run_hook import (
+    RunMetadata,
+    RunOptions,
+    SessionRunArgs,
+    SessionRunContext,
+    SessionRunHook,
+    SessionRunValues,
+    TraceLevel,
+)
+from core.tracing import STEP_TRACES, StepTraceCoordinator, TracerFactory
+
+_HOOK_METHODS = ("begin", "after_create_session", "before_run", "after_run", "end")
+_current_feeds: Mapping[str, Any] = {}
+
+
+def step_feeds() -> Mapping[str, Any]:
+    """The values hooks fed into the step now running (`SessionRunArgs(feed_dict=...)`), by name.
+
+    A training step reads them as TF graphs read fed placeholders, e.g. `core.step_feeds().get("lr_scale", 1)`.
+    """
+    return _current_feeds
+
+
+def abort_running_step(traces: StepTraceCoordinator = STEP_TRACES) -> None:
+    """A step raised: stop its trace (the profiler must not stay on) and drop its feeds."""
+    global _current_feeds
+    _current_feeds = {}
+    traces.abort()
+
+
+class Session:
+    """What `run_context.session` is: a view of the training loop for hooks (TF's `tf.Session`).
+
+    The adapters subclass it: `lightning_prof` exposes `trainer` and `model` (the LightningModule), `keras_prof`
+    exposes `model` (the keras Model). `run(fetches)` evaluates fetch items against the last finished step.
+    """
+
+    framework = "unknown"
+
+    def __init__(self, model: Any = None, rank: int = 0, world_size: int = 1) -> None:
+        self.model = model
+        self.rank = rank
+        self.world_size = world_size
+        self.last_step: StepState | None = None
+
+    @property
+    def global_step(self) -> int:
+        """The number of optimizer steps taken so far (TF's global step)."""
+        raise NotImplementedError
+
+    def run(self, fetches: Any) -> Any:
+        """Evaluate `fetches` (names or callables, nested) on the last finished step, like `session.run`."""
+        if self.last_step is None:
+            raise RuntimeError("session.run(fetches) needs a finished step: call it from after_run or later.")
+        return evaluate_fetches(fetches, self.last_step)
+
+
+class StepState:
+    """A finished step as fetches and summaries see it: `step` (global step after it), `outputs` (what the
+    step returned: `{'loss': ...}` or the step's dict; Keras: its logs), `batch`, `batch_idx`, `model`,
+    `metrics` (logged metrics), `session`."""
+
+    __slots__ = ("step", "outputs", "batch", "batch_idx", "model", "metrics", "session")
+
+    def __init__(
+        self,
+        step: int,
+        outputs: Mapping[str, Any] | None = None,
+        batch: Any = None,
+        batch_idx: int | None = None,
+        model: Any = None,
+        metrics: Mapping[str, Any] | None = None,
+        session: Session | None = None,
+    ) -> None:
+        self.step = step
+        self.outputs = outputs or {}
+        self.batch = batch
+        self.batch_idx = batch_idx
+        self.model = model
+        self.metrics = metrics or {}
+        self.session = session
+
+    def lookup(self, name: str) -> Any:
+        """A step output or logged metric by name; `global_step` is the step number."""
+        if name == "global_step":
+            return self.step
+        if name in self.outputs:
+            return self.outputs[name]
+        if name in self.metrics:
+            return self.metrics[name]
+        known = sorted({"global_step", *self.outputs, *self.metrics})
+        raise KeyError(f"Fetch {name!r} is neither a step output nor a logged metric; this step has {known}.")
+
+
+def evaluate_fetches(fetches: Any, state: StepState) -> Any:
+    """Evaluate a nested structure of fetch items (names, callables of the StepState), keeping its shape."""
+    if isinstance(fetches, str):
+        return state.lookup(fetches)
+    if callable(fetches):
+        return fetches(state)
+    if isinstance(fetches, Mapping):
+        return {key: evaluate_fetches(value, state) for key, value in fetches.items()}
+    if isinstance(fetches, (list, tuple)):
+        values = [evaluate_fetches(value, state) for value in fetches]
+        return type(fetches)(values) if not hasattr(fetches, "_fields") else type(fetches)(*values)
+    raise TypeError(
+        f"A fetch must be a name (str), a callable of the step state, or a dict/list/tuple of those; "
+        f"got {type(fetches).__name__}."
+    )
+
+
+def check_hooks(hooks: Sequence[Any], argument: str = "hooks") -> list[SessionRunHook]:
+    """Validate a list of hooks before training: each must have the five SessionRunHook methods."""
+    if isinstance(hooks, SessionRunHook) or not isinstance(hooks, Sequence):
+        raise TypeError(f"`{argument}` must be a list of SessionRunHook, got {type(hooks).__name__}.")
+    for i, hook in enumerate(hooks):
+        missing = [m for m in _HOOK_METHODS if not callable(getattr(hook, m, None))]
+        if missing:
+            raise TypeError(
+                f"`{argument}[{i}]` ({type(hook).__name__}) is not a SessionRunHook: it lacks {missing}. "
+                "Subclass core.SessionRunHook."
+            )
+    return list(hooks)
+
+
+class HookedSession:
+    """Drives a list of hooks through steps; the adapters own one per callback.
+
+    Args:
+        hooks: the hooks, called in this order.
+        tracer_factory: makes the tracer for a step some hook asked to trace.
+        traces: the coordinator that keeps one tracer per step across callbacks (the process-wide one).
+    """
+
+    def __init__(
+        self,
+        hooks: Sequence[SessionRunHook],
+        tracer_factory: TracerFactory,
+        traces: StepTraceCoordinator = STEP_TRACES,
+    ) -> None:
+        self.hooks = check_hooks(hooks)
+        self.tracer_factory = tracer_factory
+        self._traces = traces
+        self._context: SessionRunContext | None = None
+        self._fetches: dict[int, Any] = {}
+        self._options = RunOptions()
+        self._key: Hashable = None
+
+    def begin(self) -> None:
+        for hook in self.hooks:
+            hook.begin()
+
+    def after_create_session(self, session: Session) -> None:
+        for hook in self.hooks:
+            hook.after_create_session(session, None)
+
+    def before_run(self, session: Session, step_key: Hashable, original_args: SessionRunArgs) -> None:
+        """Ask every hook what it needs of the coming step; start the step's trace if one asked for it."""
+        context = SessionRunContext(original_args, session)
+        fetches: dict[int, Any] = {}
+        feeds: dict[str, Any] = {}
+        options = RunOptions()
+        for i, hook in enumerate(self.hooks):
+            request = hook.before_run(context)
+            if request is None:
+                continue
+            if not isinstance(request, SessionRunArgs):
+                raise TypeError(
+                    f"{type(hook).__name__}.before_run returned {type(request).__name__}; "
+                    "return None or core.SessionRunArgs(fetches, feed_dict, options)."
+                )
+            if request.fetches is not None:
+                fetches[i] = request.fetches
+            if request.feed_dict:
+                _merge_feeds(feeds, request.feed_dict, original_args.feed_dict or {}, type(hook).__name__)
+            if request.options is not None:
+                options.merge(request.options)
+        self._context, self._fetches, self._options, self._key = context, fetches, options, step_key
+        if feeds:
+            global _current_feeds
+            _current_feeds = feeds
+        if options.trace_level > TraceLevel.NO_TRACE:
+            self._traces.start(step_key, self.tracer_factory, options)
+
+    def after_run(self, make_state: Callable[[], StepState]) -> bool:
+        """Give each hook its results and the step's metadata; return whether a hook requested a stop."""
+        global _current_feeds
+        context = self._context
+        if context is None:  # before_run did not complete (an earlier callback raised)
+            return False
+        self._context = None
+        _current_feeds = {}
+        state = make_state()
+        metadata = self._traces.finish(self._key, state.step) or RunMetadata()
+        session = context.session
+        if isinstance(session, Session):
+            session.last_step = state
+        fetches, options = self._fetches, self._options
+        for i, hook in enumerate(self.hooks):
+            results = evaluate_fetches(fetches[i], state) if i in fetches else None
+            hook.after_run(context, SessionRunValues(results, options, metadata))
+        return context.stop_requested
+
+    def abort_step(self) -> None:
+        """The step raised: no after_run; stop any running trace so the next fit can trace again."""
+        self._context = None
+        abort_running_step(self._traces)
+
+    def end(self, session: Session) -> None:
+        for hook in self.hooks:
+            hook.end(session)
+
+
+def _merge_feeds(feeds: dict, new: Mapping, user: Mapping, hook_name: str) -> None:
+    clash = feeds.keys() & new.keys()
+    if clash:
+        raise RuntimeError(f"Same tensor is fed by two hooks: {sorted(map(str, clash))} (second: {hook_name}).")
+    clash = user.keys() & new.keys()
+    if clash:
+        raise RuntimeError(f"Same tensor is fed by a SessionRunHook and user: {sorted(map(str, clash))}.")
+    feeds.update(new)

@@ -1,0 +1,150 @@
+"""`ProfilerHook`: a Chrome-trace timeline of one training step every N steps or seconds (TF1's hook)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any, Callable, Sequence
+
+from core import arguments
+from core.session_run_hook import RunOptions, SessionRunArgs, SessionRunHook, TraceLevel
+from core.timeline import ChromeTraceWriter
+from core.timer import SecondOrStepTimer
+
+log = logging.getLogger(__name__)
+
+
+class ProfilerHook(SessionRunHook):
+    """Captures CPU/GPU profiling information every N steps or seconds, as `timeline-<step>.json` files.
+
+    Same arguments and semantics as TF1's `tf.train.ProfilerHook`, as of TF 1.14: the first step only starts
+    the count, so the first timeline is written N steps (or seconds) into training, at `timeline-N.json`,
+    named after the global step reached by the traced step. The traced step runs under the adapter's tracer
+    (torch.profiler where torch is the engine) and its ops, module scopes, input shapes and phases land in
+    the file, which opens in Perfetto (ui.perfetto.dev) and chrome://tracing.
+
+    Args:
+        save_steps: write a timeline every this many global steps. Exactly one of `save_steps`/`save_secs`.
+        save_secs: write a timeline every this many seconds.
+        output_dir: the directory for the files; created if missing. `~` and `$VARS` are expanded. None lets
+            the adapter choose (Lightning: the logger's run directory), else the current directory.
+        show_dataflow: add flow arrows between producers and consumers.
+        show_memory: record allocations and add memory tracks (costs more per traced step).
+        ranks: which distributed ranks write: None (all), an int, or a list of ints. File names carry the
+            rank (`timeline-<step>-rank<r>.json`) when the world size is above 1, so they never collide.
+        clock: the seconds clock of the schedule (default `time.time`); injectable for tests.
+
+    Example::
+
+        from lightning_prof import ProfilerHook
+        trainer = Trainer(callbacks=[ProfilerHook(save_steps=100, output_dir="runs/prof")])
+    """
+
+    def __init__(
+        self,
+        save_steps: int | None = None,
+        save_secs: float | None = None,
+        output_dir: str | os.PathLike | None = "",
+        show_dataflow: bool = True,
+        show_memory: bool = False,
+        ranks: int | Sequence[int] | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        owner = type(self).__name__
+        arguments.check_schedule(owner, save_steps, save_secs)
+        self.save_steps = save_steps
+        self.save_secs = save_secs
+        self.output_dir = None if output_dir is None else arguments.expand_dir(owner, "output_dir", output_dir)
+        self.show_dataflow = arguments.check_bool(owner, "show_dataflow", show_dataflow)
+        self.show_memory = arguments.check_bool(owner, "show_memory", show_memory)
+        self.ranks = _check_ranks(owner, ranks)
+        self._timer = SecondOrStepTimer(every_secs=save_secs, every_steps=save_steps, clock=clock)
+        self._writer = ChromeTraceWriter(show_dataflow=show_dataflow, show_memory=show_memory)
+        self._options = RunOptions(trace_level=TraceLevel.FULL_TRACE, record_memory=show_memory)
+        self._request = False
+        self._writes_here = True
+        self.saved_paths: list[str] = []
+        self.dropped_outputs = 0
+        self._warned: set[str] = set()
+
+    def set_default_output_dir(self, path: str | os.PathLike) -> None:
+        """Where the files go when the user gave no `output_dir` (the adapters call this before `begin`)."""
+        if self.output_dir is None:
+            self.output_dir = arguments.expand_dir(type(self).__name__, "output_dir", path)
+
+    def begin(self) -> None:
+        if self.output_dir is None:
+            self.output_dir = os.getcwd()
+        arguments.make_dir(type(self).__name__, "output_dir", self.output_dir)
+
+    def after_create_session(self, session: Any, coord: Any) -> None:
+        rank = getattr(session, "rank", 0)
+        self._writes_here = self.ranks is None or rank in self.ranks
+
+    def before_run(self, run_context) -> SessionRunArgs | None:
+        timer = self._timer
+        self._request = (
+            self._writes_here
+            and timer.last_triggered_step() is not None
+            and timer.should_trigger_for_step(run_context.session.global_step + 1)
+        )
+        return SessionRunArgs(options=self._options) if self._request else None
+
+    def after_run(self, run_context, run_values) -> None:
+        timer = self._timer
+        if timer.last_triggered_step() is None:
+            # TF 1.14+: the first step starts the count; the first timeline comes N steps or seconds later.
+            timer.update_last_triggered_step(run_context.session.global_step - 1)
+        elif self._request:
+            session = run_context.session
+            step = session.global_step
+            timer.update_last_triggered_step(step)
+            self._save(step, run_values.run_metadata, session)
+
+    def timeline_path(self, step: int, rank: int = 0, world_size: int = 1) -> str:
+        """The file a traced `step` is written to."""
+        suffix = f"-rank{rank}" if world_size > 1 else ""
+        return os.path.join(self.output_dir or "", f"timeline-{int(step)}{suffix}.json")
+
+    def _save(self, step: int, run_metadata: Any, session: Any) -> None:
+        stats = run_metadata.step_stats
+        if stats is None:
+            return
+        path = self.timeline_path(step, getattr(session, "rank", 0), getattr(session, "world_size", 1))
+        log.info("Saving timeline for %d into '%s'.", step, path)
+        metadata = {
+            "framework": getattr(session, "framework", "unknown"),
+            "rank": getattr(session, "rank", 0),
+            "world_size": getattr(session, "world_size", 1),
+        }
+        try:
+            self._writer.write(stats, path, metadata)
+        except OSError as err:  # a full disk must not end the training run
+            self.dropped_outputs += 1
+            reason = err.strerror or str(err)
+            if reason not in self._warned:
+                self._warned.add(reason)
+                log.warning("Could not write timeline %s (%s); training goes on without it.", path, reason)
+            return
+        self.saved_paths.append(path)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The schedule, so that a resumed run writes no duplicate and misses no timeline."""
+        return {"timer": self._timer.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._timer.load_state_dict(state.get("timer", {}))
+
+
+def _check_ranks(owner: str, ranks: Any) -> frozenset[int] | None:
+    if ranks is None:
+        return None
+    values = [ranks] if isinstance(ranks, int) and not isinstance(ranks, bool) else ranks
+    if not isinstance(values, (list, tuple, set, frozenset)) or not all(
+        isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in values
+    ):
+        raise TypeError(
+            f"`{owner}(ranks={ranks!r})`: `ranks` must be None (all ranks), a rank number, or a list of them."
+        )
+    return frozenset(values)

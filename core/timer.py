@@ -1,0 +1,88 @@
+"""`SecondOrStepTimer` and `NeverTriggerTimer`: when a periodic hook fires, with TF1's exact behaviour."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+
+class NeverTriggerTimer:
+    """A timer that never fires (TF's `NeverTriggerTimer`)."""
+
+    def reset(self) -> None:
+        pass
+
+    def should_trigger_for_step(self, step: int) -> bool:
+        return False
+
+    def update_last_triggered_step(self, step: int) -> tuple[float | None, int | None]:
+        return (None, None)
+
+    def last_triggered_step(self) -> int | None:
+        return None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+class SecondOrStepTimer:
+    """Fires the first time, then once `every_steps` steps or `every_secs` seconds passed since the last fire.
+
+    Never fires twice for the same step. `clock` (default `time.time`, as TF) is injectable so that seconds
+    triggers can be tested without sleeping.
+    """
+
+    def __init__(
+        self,
+        every_secs: float | None = None,
+        every_steps: int | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        if every_secs is None and every_steps is None:
+            raise ValueError("Either every_secs or every_steps should be provided.")
+        if every_secs is not None and every_steps is not None:
+            raise ValueError("Can not provide both every_secs and every_steps.")
+        self._every_secs = every_secs
+        self._every_steps = every_steps
+        self._clock = clock
+        self.reset()
+
+    def reset(self) -> None:
+        self._last_triggered_step: int | None = None
+        self._last_triggered_time: float | None = None
+
+    def should_trigger_for_step(self, step: int) -> bool:
+        if self._last_triggered_step is None:
+            return True
+        if self._last_triggered_step == step:
+            return False
+        if self._every_secs is not None:
+            return self._clock() >= self._last_triggered_time + self._every_secs
+        return step >= self._last_triggered_step + self._every_steps
+
+    def update_last_triggered_step(self, step: int) -> tuple[float | None, int | None]:
+        """Record a fire at `step`; return `(elapsed_secs, elapsed_steps)` since the last, `(None, None)` first."""
+        now = self._clock()
+        if self._last_triggered_time is None:
+            elapsed: tuple[float | None, int | None] = (None, None)
+        else:
+            elapsed = (now - self._last_triggered_time, step - self._last_triggered_step)
+        self._last_triggered_time = now
+        self._last_triggered_step = step
+        return elapsed
+
+    def last_triggered_step(self) -> int | None:
+        return self._last_triggered_step
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a resumed run needs: the last step fired (wall-clock time does not survive a restart)."""
+        return {"last_triggered_step": self._last_triggered_step}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume the schedule: steps count from the saved step, seconds from the moment of the resume."""
+        step = state.get("last_triggered_step")
+        self._last_triggered_step = None if step is None else int(step)
+        self._last_triggered_time = None if step is None else self._clock()

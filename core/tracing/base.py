@@ -1,0 +1,156 @@
+"""The tracer interface, and the coordinator that runs at most one tracer per training step.
+
+Several callbacks (a `ProfilerHook`, a user's `HookCallback`, ...) may each ask for a trace of the same step.
+They all go through `STEP_TRACES`: the first request starts the step's tracer, the first `after_run` of the
+step stops it, and every hook of that step gets the same `RunMetadata`. The coordinator also records the
+step's phases (data wait, forward, backward, optimizer) from the framework's callback events, so every tracer,
+the host-only one included, shows them on a "Step" thread.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+import time
+from typing import Callable, Hashable
+
+from core.session_run_hook import RunMetadata, RunOptions
+from core.step_stats import NodeExecStats, StepStats
+
+log = logging.getLogger(__name__)
+
+HOST_DEVICE = "/host:CPU"
+STEP_THREAD_ID = 0  # the pseudo-thread that carries the step's phase spans on the host device
+
+
+class Tracer(abc.ABC):
+    """Collects one step into `StepStats`; the coordinator adds the step's phase spans to what it returns."""
+
+    name: str
+
+    @abc.abstractmethod
+    def start(self, options: RunOptions) -> None:
+        """Begin recording; called just before the step runs."""
+
+    @abc.abstractmethod
+    def stop(self) -> StepStats:
+        """End recording and return what the step did."""
+
+    @abc.abstractmethod
+    def abort(self) -> None:
+        """End recording after a failed step, dropping the data; must leave nothing running."""
+
+
+TracerFactory = Callable[[], Tracer]
+
+
+class _StepTrace:
+    """The trace of one step: its tracer, the phases marked so far, and the metadata once stopped."""
+
+    __slots__ = ("key", "tracer", "options", "marks", "data_wait_start_ns", "metadata")
+
+    def __init__(self, key: Hashable, tracer: Tracer, options: RunOptions, data_wait_start_ns: int | None):
+        self.key = key
+        self.tracer = tracer
+        self.options = options
+        self.marks: list[tuple[str, int]] = []
+        self.data_wait_start_ns = data_wait_start_ns
+        self.metadata: RunMetadata | None = None
+
+
+class StepTraceCoordinator:
+    """Runs at most one tracer per step, whoever asked; hands every hook of the step the same metadata."""
+
+    def __init__(self) -> None:
+        self._current: _StepTrace | None = None
+        self._last_step_end_ns: int | None = None
+
+    @property
+    def active(self) -> bool:
+        """Whether a trace is running (between the step's start and its first `after_run`)."""
+        return self._current is not None and self._current.metadata is None
+
+    def start(self, key: Hashable, factory: TracerFactory, options: RunOptions) -> None:
+        """Start tracing step `key` unless it already is; a trace left over from another step is aborted."""
+        current = self._current
+        if current is not None:
+            if current.key == key:
+                if options.trace_level > current.options.trace_level or (
+                    options.record_memory and not current.options.record_memory
+                ):
+                    log.warning(
+                        "A second callback asked for more detail (%s) than the trace already running for "
+                        "this step (%s); put the callback that needs it first in the callbacks list.",
+                        options, current.options,
+                    )
+                return
+            self.abort()
+        tracer = factory()
+        trace = _StepTrace(key, tracer, options, self._last_step_end_ns)
+        self._current = trace
+        try:
+            tracer.start(options)
+        except BaseException:
+            self._current = None
+            raise
+        trace.marks.append(("step", time.time_ns()))
+
+    def mark(self, phase: str) -> None:
+        """Note that the running step entered `phase` now (first caller wins); free when nothing traces."""
+        current = self._current
+        if current is not None and current.metadata is None:
+            marks = current.marks
+            if all(name != phase for name, _ in marks):
+                marks.append((phase, time.time_ns()))
+
+    def finish(self, key: Hashable, step: int | None) -> RunMetadata | None:
+        """Stop the trace of step `key` (if it still runs) and return its metadata; None if it was not traced."""
+        self._last_step_end_ns = time.time_ns()
+        current = self._current
+        if current is None or current.key != key:
+            return None
+        if current.metadata is None:
+            end_ns = time.time_ns()
+            stats = current.tracer.stop()
+            stats.step = step
+            stats.metadata.setdefault("tracer", current.tracer.name)
+            _add_phase_spans(stats, current, end_ns)
+            current.metadata = RunMetadata(step_stats=stats)
+        return current.metadata
+
+    def abort(self) -> None:
+        """Drop the running trace, if any, after a failed step; the tracer is always stopped."""
+        current, self._current = self._current, None
+        if current is not None and current.metadata is None:
+            try:
+                current.tracer.abort()
+            except Exception:  # the step's own exception matters more than a tracer's
+                log.exception("Stopping the %s tracer after a failed step raised", current.tracer.name)
+
+
+def _add_phase_spans(stats: StepStats, trace: _StepTrace, end_ns: int) -> None:
+    """Add the step's phases as nested spans on the host device's "Step" thread."""
+    host = stats.device(HOST_DEVICE)
+    host.thread_names.setdefault(STEP_THREAD_ID, "Step phases")
+    spans = []
+    if trace.data_wait_start_ns is not None:
+        spans.append(("data_wait", trace.data_wait_start_ns, trace.marks[0][1]))
+    step_start = trace.marks[0][1]
+    spans.append(("train_step", step_start, end_ns))
+    phases = trace.marks[1:]
+    if phases and phases[0][1] > step_start:  # the part before the first marked phase is the forward pass
+        phases.insert(0, ("forward", step_start))
+    for i, (name, start) in enumerate(phases):
+        stop = phases[i + 1][1] if i + 1 < len(phases) else end_ns
+        spans.append((name, start, stop))
+    for name, start, stop in spans:
+        host.node_stats.append(
+            NodeExecStats(
+                node_name=f"step/{name}", op=name, start_ns=start, duration_ns=max(0, stop - start),
+                thread_id=STEP_THREAD_ID, phase="data" if name == "data_wait" else name,
+                category="Span",
+            )
+        )
+
+
+STEP_TRACES = StepTraceCoordinator()

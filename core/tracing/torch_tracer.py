@@ -1,0 +1,253 @@
+"""`TorchTracer`: one training step under torch's profiler, converted straight into `StepStats`.
+
+It reads the profiler's raw kineto results (`kineto_results.events()`), not `profile.events()`, which builds a
+Python `FunctionEvent` tree and costs 40-80 ms per 2k events. Module scopes come from global forward hooks
+that open a `record_function` span per module call during the traced step only; backward ops inherit the
+scope of the forward op they differentiate (matched by autograd's sequence number), so a gradient op shows
+under the module whose forward made it. Imported lazily: `core` never imports torch at top level.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from core.session_run_hook import RunOptions, TraceLevel
+from core.step_stats import DTYPE_ITEMSIZE, NodeExecStats, StepStats, TensorDescription
+from core.tracing.base import HOST_DEVICE, Tracer
+
+# Kineto prints "profiler_start"/"profiler_stop" lines on every start unless its log level is above USDT (5).
+# It reads the variable when the profiler first starts, so setting it at import of this module is in time.
+os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+
+import torch  # noqa: E402  (after the log level, on purpose)
+
+log = logging.getLogger(__name__)
+
+MODULE_PREFIX = "module::"
+BACKWARD_PREFIX = "autograd::engine::evaluate_function: "
+OPTIMIZER_PREFIXES = ("Optimizer.step#", "Optimizer.zero_grad#")
+
+# torch's C++ type names as the profiler reports them -> the dtype names this project writes.
+_TORCH_DTYPES = {
+    "float": "float32", "double": "float64", "c10::Half": "float16", "c10::BFloat16": "bfloat16",
+    "long int": "int64", "int": "int32", "short int": "int16", "signed char": "int8",
+    "unsigned char": "uint8", "bool": "bool", "c10::complex<float>": "complex64",
+    "c10::complex<double>": "complex128", "c10::Float8_e4m3fn": "float8_e4m3fn",
+    "c10::Float8_e5m2": "float8_e5m2", "unsigned short": "uint16", "unsigned int": "uint32",
+    "unsigned long": "uint64",
+}
+_KERNEL_ACTIVITIES = {"kernel", "gpu_memcpy", "gpu_memset", "concurrent_kernel"}
+
+
+def _module_label(module: Any, local_names: dict[int, str]) -> str:
+    """The name a module call gets in scopes: its attribute name in the model, else its own `name`/class."""
+    label = local_names.get(id(module))
+    if label is None:
+        label = getattr(module, "name", None)
+        if not isinstance(label, str) or not label:
+            label = type(module).__name__
+    return label
+
+
+class _ModuleScopes:
+    """Global forward hooks that wrap each module call in a `record_function` span while installed."""
+
+    def __init__(self, root: Any) -> None:
+        self._local_names: dict[int, str] = {}
+        if root is not None:
+            root_label = getattr(root, "name", None)
+            self._local_names[id(root)] = root_label if isinstance(root_label, str) else type(root).__name__
+            for path, module in root.named_modules():
+                if path:
+                    self._local_names.setdefault(id(module), path.rsplit(".", 1)[-1])
+        self._open: list[Any] = []
+        self._handles: list[Any] = []
+
+    def install(self) -> None:
+        from torch.autograd.profiler import record_function
+        from torch.nn.modules import module as nn_module
+
+        local_names, open_spans = self._local_names, self._open
+
+        def enter(module, args):
+            span = record_function(MODULE_PREFIX + _module_label(module, local_names))
+            span.__enter__()
+            open_spans.append(span)
+
+        def leave(module, args, output):
+            if open_spans:
+                open_spans.pop().__exit__(None, None, None)
+
+        self._handles = [
+            nn_module.register_module_forward_pre_hook(enter),
+            nn_module.register_module_forward_hook(leave, always_call=True),
+        ]
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        while self._open:  # a forward that raised between the two hooks
+            self._open.pop().__exit__(None, None, None)
+
+
+def _tensor(shape: list, dtype: str) -> TensorDescription | None:
+    name = _TORCH_DTYPES.get(dtype)
+    if name is None:
+        return None  # a Scalar, a list, None: not a tensor
+    numel = 1
+    for dim in shape:
+        numel *= dim
+    return TensorDescription(name, tuple(shape), numel * DTYPE_ITEMSIZE[name])
+
+
+class TorchTracer(Tracer):
+    """Traces one step with torch's profiler (CPU ops, plus CUDA kernels when CUDA is available).
+
+    Args:
+        root: the model (`nn.Module`, a LightningModule or a keras Model on the torch backend) whose
+            submodule names become the ops' scopes; None traces without module names.
+    """
+
+    name = "torch"
+
+    def __init__(self, root: Any = None) -> None:
+        self._root = root
+        self._prof: Any = None
+        self._scopes: _ModuleScopes | None = None
+        self._options = RunOptions()
+
+    def start(self, options: RunOptions) -> None:
+        from torch.autograd import profiler as autograd_profiler
+
+        self._options = options
+        use_cuda = torch.cuda.is_available() and options.trace_level >= TraceLevel.HARDWARE_TRACE
+        prof = autograd_profiler.profile(
+            use_device="cuda" if use_cuda else None,
+            record_shapes=options.trace_level >= TraceLevel.FULL_TRACE,
+            profile_memory=options.record_memory,
+            with_stack=options.with_stack,
+            use_kineto=True,
+        )
+        scopes = _ModuleScopes(self._root)
+        prof.__enter__()
+        self._prof = prof
+        try:
+            scopes.install()
+        except BaseException:
+            self.abort()
+            raise
+        self._scopes = scopes
+
+    def _close(self) -> Any:
+        prof, self._prof = self._prof, None
+        scopes, self._scopes = self._scopes, None
+        if scopes is not None:
+            scopes.remove()
+        if prof is None:
+            return None
+        prof.__exit__(None, None, None)
+        return prof.kineto_results
+
+    def abort(self) -> None:
+        self._close()
+
+    def stop(self) -> StepStats:
+        results = self._close()
+        stats = StepStats(metadata={"torch_version": torch.__version__})
+        if results is None:
+            return stats
+        stats.metadata["trace_start_ns"] = results.trace_start_ns()
+        _convert(results.events(), stats)
+        return stats
+
+
+def _convert(events: list, stats: StepStats) -> None:
+    """Turn kineto events into NodeExecStats: scopes from module spans, phases from autograd and optimizer."""
+    host = stats.device(HOST_DEVICE)
+    cpu_events = []
+    for ev in events:
+        activity = ev.activity_type()
+        if ev.device_type() == torch.autograd.DeviceType.CPU and activity in ("cpu_op", "user_annotation"):
+            cpu_events.append(ev)
+        elif activity in _KERNEL_ACTIVITIES:
+            _add_kernel(ev, activity, stats)
+    cpu_events.sort(key=lambda e: (e.start_ns(), -e.duration_ns()))
+
+    # per thread, the open events: (end_ns, scope, phase, optimizer scope)
+    stacks: dict[int, list[tuple[int, str, str, str]]] = {}
+    forward_scopes: dict[tuple[int, int], str] = {}  # (thread, autograd sequence nr) -> scope
+    name_counts: dict[str, int] = {}
+    nodes = host.node_stats
+    backward_end = 0
+    for ev in cpu_events:
+        name = ev.name()
+        start = ev.start_ns()
+        dur = ev.duration_ns()
+        tid = ev.start_thread_id()
+        stack = stacks.get(tid)
+        if stack is None:
+            stack = stacks[tid] = []
+            host.thread_names.setdefault(tid, f"CPU thread {tid}")
+        while stack and stack[-1][0] <= start:
+            stack.pop()
+        scope, phase, optimizer = stack[-1][1:] if stack else ("", "", "")
+        category = "Op"
+        op = name
+        if name.startswith(MODULE_PREFIX):
+            op = name[len(MODULE_PREFIX):]
+            scope = f"{scope}/{op}" if scope else op
+            category = "Module"
+        elif name.startswith(BACKWARD_PREFIX):
+            phase = "backward"
+            scope = forward_scopes.get((ev.fwd_thread_id(), ev.sequence_nr()), scope)
+            backward_end = max(backward_end, start + dur)
+        elif name.startswith(OPTIMIZER_PREFIXES):
+            # Lightning runs the whole closure (forward, backward) inside Optimizer.step, so the step span
+            # only names the optimizer; the ops after backward inside it are the update. zero_grad is all
+            # optimizer work.
+            optimizer = "optimizer/" + name.split("#", 1)[1].split(".", 1)[0]
+            category = "Span"
+            if name.startswith("Optimizer.zero_grad#"):
+                phase, scope = "optimizer", optimizer
+        elif ev.is_user_annotation():
+            category = "Span"
+        if not phase:
+            phase = "optimizer" if backward_end and start >= backward_end else "forward"
+        if phase == "forward" and category == "Op":
+            seq = ev.sequence_nr()
+            if seq >= 0:
+                forward_scopes.setdefault((tid, seq), scope)
+        if phase == "optimizer" and not scope:
+            scope = optimizer or "optimizer"
+        stack.append((start + dur, scope, phase if phase != "forward" else "", optimizer))
+
+        base = scope if category == "Module" else (f"{scope}/{op}" if scope else op)
+        count = name_counts.get(base, 0)
+        name_counts[base] = count + 1
+        inputs = []
+        if category == "Op":
+            for shape, dtype in zip(ev.shapes(), ev.dtypes()):
+                tensor = _tensor(shape, dtype)
+                if tensor is not None:
+                    inputs.append(tensor)
+        nodes.append(
+            NodeExecStats(
+                node_name=f"{base}_{count}" if count else base, op=op, start_ns=start, duration_ns=dur,
+                thread_id=tid, scope=scope, phase=phase, inputs=inputs, category=category,
+            )
+        )
+
+
+def _add_kernel(ev: Any, activity: str, stats: StepStats) -> None:
+    device = stats.device(f"/device:CUDA:{ev.device_index()}")
+    stream = ev.device_resource_id()
+    device.thread_names.setdefault(stream, f"stream {stream}")
+    device.node_stats.append(
+        NodeExecStats(
+            node_name=ev.name(), op=ev.name(), start_ns=ev.start_ns(), duration_ns=ev.duration_ns(),
+            thread_id=stream, category="Kernel", args={"correlation": ev.correlation_id(), "kind": activity},
+        )
+    )

@@ -1,0 +1,37 @@
+"""`keras_prof.ProfilerHook`: TF1's ProfilerHook as a Keras callback."""
+
+from __future__ import annotations
+
+import os
+
+from core.profiler_hook import ProfilerHook as CoreProfilerHook
+from keras_prof.hook_callback import HookCallback
+
+
+class ProfilerHook(HookCallback):
+    """Writes a Chrome-trace timeline of one training step every `save_steps` steps or `save_secs` seconds.
+
+    Arguments and semantics are `core.ProfilerHook`'s (TF1's); `output_dir` defaults to the current
+    directory, as in TF. On the torch backend the timeline holds every op of the step; on other backends
+    only the step's phases.
+
+    Example::
+
+        model.fit(x, y, epochs=2, callbacks=[ProfilerHook(save_secs=5, output_dir="runs/keras")])
+    """
+
+    def __init__(
+        self,
+        save_steps: int | None = None,
+        save_secs: float | None = None,
+        output_dir: str | os.PathLike = "",
+        show_dataflow: bool = True,
+        show_memory: bool = False,
+    ) -> None:
+        self.hook = CoreProfilerHook(save_steps, save_secs, output_dir, show_dataflow, show_memory)
+        super().__init__([self.hook])
+
+    @property
+    def saved_paths(self) -> list[str]:
+        """The timelines written so far, in order."""
+        return self.hook.saved_paths

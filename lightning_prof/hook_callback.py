@@ -1,0 +1,153 @@
+"""`HookCallback`: runs TF1-style `SessionRunHook`s inside a Lightning `Trainer`.
+
+Mapping: `begin` <- `setup("fit")`; `after_create_session` <- `on_train_start`; `before_run` <-
+`on_train_batch_start`; `after_run` <- `on_train_batch_end`; `end` <- `on_train_end` (a clean finish or a
+requested stop); `on_exception` stops any running trace and calls no `after_run`/`end`.
+`run_context.session` is a `LightningSession`: `.trainer`, `.model` (the LightningModule), `.global_step`,
+`.rank`, `.world_size`, and `.run(fetches)`. A fetch name looks up the training_step's output (`"loss"`)
+or a logged metric (`trainer.callback_metrics`); `request_stop()` sets `trainer.should_stop`.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Sequence
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
+
+from core.hooked_session import HookedSession, Session, StepState
+from core.session_run_hook import SessionRunArgs, SessionRunHook
+from core.tracing import STEP_TRACES
+
+
+class LightningSession(Session):
+    """`run_context.session` under Lightning: the trainer and the LightningModule being fit."""
+
+    framework = "lightning"
+
+    def __init__(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().__init__(model=pl_module, rank=trainer.global_rank, world_size=trainer.world_size)
+        self.trainer = trainer
+
+    @property
+    def global_step(self) -> int:
+        return self.trainer.global_step
+
+
+def _outputs(outputs: Any) -> dict[str, Any]:
+    """training_step's return as a dict: a bare loss becomes `{"loss": loss}`."""
+    if outputs is None:
+        return {}
+    if isinstance(outputs, dict):
+        return outputs
+    return {"loss": outputs}
+
+
+def run_dir(trainer: pl.Trainer) -> str:
+    """Where a run's files belong: the logger's run directory, else the trainer's root directory."""
+    return trainer.log_dir or trainer.default_root_dir
+
+
+class HookCallback(Callback):
+    """Runs any `core.SessionRunHook`s in a Lightning fit, in list order, with TF1's semantics.
+
+    Args:
+        hooks: the hooks to run, e.g. a TF1 hook ported by changing its import to `core`.
+
+    Example::
+
+        class StopAtLoss(core.SessionRunHook):
+            def before_run(self, run_context):
+                return core.SessionRunArgs(fetches="loss")
+            def after_run(self, run_context, run_values):
+                if run_values.results < 0.1:
+                    run_context.request_stop()
+
+        trainer = Trainer(callbacks=[HookCallback(hooks=[StopAtLoss()])])
+    """
+
+    def __init__(self, hooks: Sequence[SessionRunHook]) -> None:
+        self._driver = HookedSession(hooks, tracer_factory=None)  # the tracer needs the module: see setup
+        self._session: LightningSession | None = None
+
+    @property
+    def hooks(self) -> list[SessionRunHook]:
+        return self._driver.hooks
+
+    @property
+    @override
+    def state_key(self) -> str:
+        return self._generate_state_key(hooks=[repr(_hook_key(h)) for h in self.hooks])
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        from core.tracing.torch_tracer import TorchTracer
+
+        self._session = LightningSession(trainer, pl_module)
+        self._driver.tracer_factory = functools.partial(TorchTracer, pl_module)
+        default_dir = None
+        for hook in self.hooks:
+            if hasattr(hook, "set_default_output_dir"):
+                default_dir = default_dir or run_dir(trainer)
+                hook.set_default_output_dir(default_dir)
+        self._driver.begin()
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._driver.after_create_session(self._session)
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        key = (id(trainer), trainer.current_epoch, batch_idx, trainer.global_step)
+        self._driver.before_run(self._session, key, SessionRunArgs(feed_dict={"batch": batch, "batch_idx": batch_idx}))
+
+    @override
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Any) -> None:
+        STEP_TRACES.mark("backward")
+
+    @override
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        STEP_TRACES.mark("after_backward")
+
+    @override
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        STEP_TRACES.mark("optimizer")
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        session = self._session
+        stop = self._driver.after_run(
+            lambda: StepState(trainer.global_step, _outputs(outputs), batch, batch_idx, pl_module,
+                              trainer.callback_metrics, session)
+        )
+        if stop:
+            trainer.should_stop = True
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._driver.end(self._session)
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._driver.abort_step()
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"hooks": [h.state_dict() if hasattr(h, "state_dict") else None for h in self.hooks]}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        for hook, state in zip(self.hooks, state_dict.get("hooks", [])):
+            if state is not None and hasattr(hook, "load_state_dict"):
+                hook.load_state_dict(state)
+
+
+def _hook_key(hook: SessionRunHook) -> tuple:
+    """What tells two hooks apart in a checkpoint: their class and schedule."""
+    return (type(hook).__qualname__, getattr(hook, "save_steps", None), getattr(hook, "save_secs", None))

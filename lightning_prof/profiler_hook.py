@@ -1,0 +1,46 @@
+"""`lightning_prof.ProfilerHook`: TF1's ProfilerHook as a Lightning callback."""
+
+from __future__ import annotations
+
+from lightning_prof.hook_callback import HookCallback
+from core.profiler_hook import ProfilerHook as CoreProfilerHook
+
+
+class ProfilerHook(HookCallback):
+    """Writes a Chrome-trace timeline of one training step every `save_steps` steps or `save_secs` seconds.
+
+    Arguments and semantics are `core.ProfilerHook`'s (TF1's). `output_dir=None` (the default) puts the
+    files in the logger's run directory (`trainer.log_dir`, e.g. `lightning_logs/version_0`), else in
+    `default_root_dir`. Under DDP every rank writes its own `timeline-<step>-rank<r>.json` unless `ranks`
+    picks some. Usable from `LightningCLI` configs (`trainer.callbacks`).
+
+    Args:
+        save_steps: a timeline every this many global steps; exactly one of `save_steps` / `save_secs`.
+        save_secs: a timeline every this many seconds.
+        output_dir: directory for the files (`~` and `$VARS` expanded); None: the logger's run directory.
+        show_dataflow: flow arrows between producers and consumers.
+        show_memory: record allocations and add memory tracks.
+        ranks: the ranks that write: None for all, a rank, or a list of ranks.
+
+    Example::
+
+        trainer = lightning.Trainer(max_steps=300, callbacks=[ProfilerHook(save_steps=100)])
+        trainer.fit(model, loader)   # -> timeline-100.json, timeline-200.json, timeline-300.json
+    """
+
+    def __init__(
+        self,
+        save_steps: int | None = None,
+        save_secs: float | None = None,
+        output_dir: str | None = None,
+        show_dataflow: bool = True,
+        show_memory: bool = False,
+        ranks: int | list[int] | None = None,
+    ) -> None:
+        self.hook = CoreProfilerHook(save_steps, save_secs, output_dir, show_dataflow, show_memory, ranks)
+        super().__init__([self.hook])
+
+    @property
+    def saved_paths(self) -> list[str]:
+        """The timelines written so far, in order."""
+        return self.hook.saved_paths
