@@ -1,0 +1,29 @@
+# Two entry points, each creates the environment it needs:
+#   make demo   train on the bundled data with the hooks, print where the timelines are
+#   make test   run the test suite against real Lightning and Keras (torch backend)
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test venv clean
+
+# torch 2.13.0 first: the machine has its CPU wheel locally; letting another package pick torch would
+# pull a newer CUDA build (gigabytes). With it installed, the ranges below are already satisfied.
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet torch==2.13.0
+	$(BIN)/python -m pip install --quiet -e ".[all,test]"
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: $(STAMP)
+	KERAS_BACKEND=torch $(BIN)/python examples/demo.py
+
+test: $(STAMP)
+	KERAS_BACKEND=torch $(BIN)/python -m pytest -q
+
+clean:
+	rm -rf $(VENV) runs lightning_logs .pytest_cache

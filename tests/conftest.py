@@ -1,0 +1,80 @@
+"""Shared test fixtures: tiny real models for Lightning and Keras (torch backend), and a recording hook."""
+
+from __future__ import annotations
+
+import json
+import os
+
+os.environ.setdefault("KERAS_BACKEND", "torch")  # before anything imports keras
+
+import pytest
+
+from core import SessionRunArgs, SessionRunHook
+
+
+class RecordingHook(SessionRunHook):
+    """Records every lifecycle call; optionally fetches, traces, or stops at a step."""
+
+    def __init__(self, fetches=None, options=None, stop_at=None):
+        self.calls: list[tuple] = []
+        self.results: list = []
+        self.metadata: list = []
+        self.fetches = fetches
+        self.options = options
+        self.stop_at = stop_at
+
+    def begin(self):
+        self.calls.append(("begin",))
+
+    def after_create_session(self, session, coord):
+        self.calls.append(("after_create_session",))
+
+    def before_run(self, run_context):
+        self.calls.append(("before_run", run_context.session.global_step))
+        if self.fetches is None and self.options is None:
+            return None
+        return SessionRunArgs(fetches=self.fetches, options=self.options)
+
+    def after_run(self, run_context, run_values):
+        step = run_context.session.global_step
+        self.calls.append(("after_run", step))
+        self.results.append(run_values.results)
+        self.metadata.append(run_values.run_metadata)
+        if self.stop_at is not None and step >= self.stop_at:
+            run_context.request_stop()
+
+    def end(self, session):
+        self.calls.append(("end",))
+
+    def names(self):
+        return [c[0] for c in self.calls]
+
+
+class FakeClock:
+    """A seconds clock the test moves by hand."""
+
+    def __init__(self, now: float = 1000.0):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def load_trace(path):
+    with open(path, "rb") as f:
+        return json.load(f)
+
+
+def op_events(trace, cat="Op"):
+    return [e for e in trace["traceEvents"] if e["ph"] == "X" and e["cat"] == cat]
+
+
+def timeline_steps(directory):
+    """The step numbers of the timeline-<step>.json files in `directory`, sorted."""
+    names = [n for n in os.listdir(directory) if n.startswith("timeline-") and n.endswith(".json")]
+    return sorted(int(n[len("timeline-"):-len(".json")]) for n in names)
+
+
+@pytest.fixture
+def tmp_dir(tmp_path):
+    return str(tmp_path)

@@ -1,0 +1,157 @@
+"""The driver's TF1 semantics, with a plain Session (no framework): order, fetches, options, feeds, stop."""
+
+import pytest
+
+from core import (
+    HookedSession,
+    RunOptions,
+    Session,
+    SessionRunArgs,
+    SessionRunHook,
+    StepState,
+    TraceLevel,
+    step_feeds,
+)
+from core.hooked_session import evaluate_fetches
+from core.tracing import HostTracer, StepTraceCoordinator
+from tests.conftest import RecordingHook
+
+
+class CountingSession(Session):
+    framework = "test"
+
+    def __init__(self):
+        super().__init__()
+        self.step = 0
+
+    @property
+    def global_step(self):
+        return self.step
+
+
+def run_steps(driver, session, n, outputs=None, on_step=None):
+    stops = []
+    for i in range(n):
+        driver.before_run(session, ("k", session.step), SessionRunArgs(feed_dict={"batch_idx": i}))
+        if on_step:
+            on_step()
+        session.step += 1
+        stops.append(driver.after_run(lambda: StepState(session.step, outputs or {"loss": 0.5 * session.step})))
+    return stops
+
+
+class OrderHook(SessionRunHook):
+    def __init__(self, name, log):
+        self.name, self.log = name, log
+
+    def before_run(self, run_context):
+        self.log.append(("before", self.name))
+
+    def after_run(self, run_context, run_values):
+        self.log.append(("after", self.name, run_context.stop_requested))
+        if self.name == "a":
+            run_context.request_stop()
+
+
+def test_hooks_run_in_list_order_and_stop_takes_effect_after_all_after_run():
+    log = []
+    driver = HookedSession([OrderHook("a", log), OrderHook("b", log)], HostTracer, StepTraceCoordinator())
+    stops = run_steps(driver, CountingSession(), 1)
+    # b's after_run still ran, and saw the stop a requested in the same step (one shared context)
+    assert log == [("before", "a"), ("before", "b"), ("after", "a", False), ("after", "b", True)]
+    assert stops == [True]
+
+
+def test_each_hook_gets_exactly_the_structure_it_asked_for():
+    h1 = RecordingHook(fetches={"loss": "loss", "both": ["global_step", lambda s: s.step * 10]})
+    h2 = RecordingHook(fetches=("loss",))
+    h3 = RecordingHook()
+    driver = HookedSession([h1, h2, h3], HostTracer, StepTraceCoordinator())
+    run_steps(driver, CountingSession(), 2)
+    assert h1.results == [{"loss": 0.5, "both": [1, 10]}, {"loss": 1.0, "both": [2, 20]}]
+    assert h2.results == [(0.5,), (1.0,)]
+    assert h3.results == [None, None]
+
+
+def test_unknown_fetch_name_lists_what_exists():
+    with pytest.raises(KeyError, match=r"'lost'.*\['global_step', 'loss'\]"):
+        evaluate_fetches("lost", StepState(1, {"loss": 1}))
+    with pytest.raises(TypeError, match="A fetch must be"):
+        evaluate_fetches(3, StepState(1))
+
+
+class FeedHook(SessionRunHook):
+    def __init__(self, feeds):
+        self.feeds = feeds
+        self.seen = None
+
+    def before_run(self, run_context):
+        return SessionRunArgs(feed_dict=self.feeds)
+
+
+def test_feeds_are_published_for_the_step_and_conflicts_are_errors():
+    seen = []
+    driver = HookedSession([FeedHook({"lr_scale": 0.5}), FeedHook({"noise": 1})], HostTracer, StepTraceCoordinator())
+    run_steps(driver, CountingSession(), 1, on_step=lambda: seen.append(dict(step_feeds())))
+    assert seen == [{"lr_scale": 0.5, "noise": 1}]
+    assert dict(step_feeds()) == {}  # only during the step
+
+    clash = HookedSession([FeedHook({"x": 1}), FeedHook({"x": 2})], HostTracer, StepTraceCoordinator())
+    with pytest.raises(RuntimeError, match=r"Same tensor is fed by two hooks: \['x'\]"):
+        run_steps(clash, CountingSession(), 1)
+    user_clash = HookedSession([FeedHook({"batch_idx": 3})], HostTracer, StepTraceCoordinator())
+    with pytest.raises(RuntimeError, match=r"fed by a SessionRunHook and user: \['batch_idx'\]"):
+        run_steps(user_clash, CountingSession(), 1)
+
+
+def test_options_merge_highest_trace_level_and_every_extra_wins():
+    h1 = RecordingHook(options=RunOptions(trace_level=TraceLevel.SOFTWARE_TRACE, record_memory=True))
+    h2 = RecordingHook(options=RunOptions(trace_level=TraceLevel.FULL_TRACE))
+    h3 = RecordingHook()
+    driver = HookedSession([h1, h2, h3], HostTracer, StepTraceCoordinator())
+    run_steps(driver, CountingSession(), 1)
+    opts = driver._options
+    assert opts.trace_level == TraceLevel.FULL_TRACE and opts.record_memory
+    # one trace for the step, and every hook (even the one that asked nothing) gets the same metadata
+    assert h1.metadata[0] is h2.metadata[0] is h3.metadata[0]
+    spans = {n.op for n in h1.metadata[0].step_stats.all_nodes()}
+    assert "train_step" in spans
+
+
+def test_before_run_must_return_session_run_args():
+    class Bad(SessionRunHook):
+        def before_run(self, run_context):
+            return {"fetches": "loss"}
+
+    driver = HookedSession([Bad()], HostTracer, StepTraceCoordinator())
+    with pytest.raises(TypeError, match=r"Bad.before_run returned dict; return None or core.SessionRunArgs"):
+        run_steps(driver, CountingSession(), 1)
+
+
+def test_hooks_must_be_session_run_hooks():
+    with pytest.raises(TypeError, match=r"`hooks\[1\]` \(int\) is not a SessionRunHook"):
+        HookedSession([RecordingHook(), 3], HostTracer)
+    with pytest.raises(TypeError, match=r"`hooks` must be a list of SessionRunHook"):
+        HookedSession(RecordingHook(), HostTracer)
+
+
+def test_a_failed_step_gets_no_after_run_and_stops_the_trace():
+    traces = StepTraceCoordinator()
+    hook = RecordingHook(options=RunOptions(trace_level=TraceLevel.FULL_TRACE))
+    driver = HookedSession([hook], HostTracer, traces)
+    session = CountingSession()
+    driver.before_run(session, "s1", SessionRunArgs())
+    assert traces.active
+    driver.abort_step()
+    assert not traces.active
+    assert driver.after_run(lambda: StepState(1)) is False  # a stray after_run is ignored
+    assert hook.names() == ["before_run"]
+
+
+def test_session_run_evaluates_on_the_last_finished_step():
+    session = CountingSession()
+    with pytest.raises(RuntimeError, match="needs a finished step"):
+        session.run("loss")
+    driver = HookedSession([RecordingHook()], HostTracer, StepTraceCoordinator())
+    run_steps(driver, session, 3)
+    assert session.run({"l": "loss", "s": "global_step"}) == {"l": 1.5, "s": 3}

@@ -1,0 +1,133 @@
+"""keras_prof against real `Model.fit` (torch backend) on a tiny model: schedules, content, lifecycle, faults."""
+
+import os
+
+import keras
+import numpy as np
+import pytest
+import torch
+
+import core
+from core import RunOptions, TraceLevel
+from keras_prof import HookCallback, ProfilerHook
+from tests.conftest import FakeClock, RecordingHook, load_trace, op_events, timeline_steps
+
+assert keras.backend.backend() == "torch"
+
+
+class FailingSequential(keras.Sequential):
+    """A Sequential whose train step raises at global step `fail_at` (1-based)."""
+
+    fail_at: int | None = None
+
+    def train_step(self, data):
+        if self.fail_at is not None and int(self.optimizer.iterations) + 1 == self.fail_at:
+            raise RuntimeError(f"boom at step {self.fail_at}")
+        return super().train_step(data)
+
+
+def model(fail_at=None):
+    keras.utils.set_random_seed(0)
+    m = FailingSequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu", name="fc1"),
+                           keras.layers.Dense(1, name="fc2")], name="tiny")
+    m.fail_at = fail_at
+    m.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    return m
+
+
+def data(n=48):
+    rng = np.random.default_rng(0)
+    return rng.standard_normal((n, 8)).astype("float32"), rng.standard_normal((n, 1)).astype("float32")
+
+
+def fit(m, callbacks, epochs=2, n=48):
+    x, y = data(n)
+    return m.fit(x, y, batch_size=8, epochs=epochs, callbacks=callbacks, verbose=0)
+
+
+def test_save_steps_over_epochs_writes_exactly_the_expected_timelines(tmp_dir):
+    hook = ProfilerHook(save_steps=4, output_dir=tmp_dir)
+    fit(model(), [hook], epochs=2)  # 6 steps per epoch, 12 in all
+    assert timeline_steps(tmp_dir) == [4, 8, 12]
+    assert hook.saved_paths == [os.path.join(tmp_dir, f"timeline-{s}.json") for s in (4, 8, 12)]
+
+
+def test_timeline_holds_forward_backward_and_optimizer_of_exactly_one_step(tmp_dir):
+    hook = ProfilerHook(save_steps=3, output_dir=tmp_dir)
+    fit(model(), [hook], epochs=1)
+    for path in hook.saved_paths:
+        trace = load_trace(path)
+        ops = op_events(trace)
+        by_phase = {p: [e["name"] for e in ops if e["args"]["phase"] == p] for p in ("forward", "backward", "optimizer")}
+        assert by_phase["forward"].count("aten::relu") == 1
+        assert sum(n.startswith("autograd::engine::evaluate_function") for n in by_phase["backward"]) >= 4
+        assert by_phase["optimizer"], "the optimizer's update ops are in the trace"
+        matmuls = [e for e in ops if e["args"]["phase"] == "forward" and e["name"] in ("aten::addmm", "aten::matmul", "aten::mm")]
+        assert {e["args"]["scope"] for e in matmuls} == {"tiny/fc1", "tiny/fc2"}
+        span = next(e for e in op_events(trace, "Span") if e["name"] == "train_step")
+        assert all(span["ts"] <= e["ts"] and e["ts"] + e["dur"] <= span["ts"] + span["dur"] + 1 for e in ops)
+        assert trace["metadata"]["framework"] == "keras"
+
+
+def test_save_secs_triggers_on_time_not_steps(tmp_dir):
+    clock = FakeClock()
+
+    class Tick(core.SessionRunHook):
+        def after_run(self, run_context, run_values):
+            clock.now += 3
+
+    hook = core.ProfilerHook(save_secs=7, output_dir=tmp_dir, clock=clock)
+    fit(model(), [HookCallback([Tick(), hook])], epochs=2)
+    # The count starts at t=3 (end of step 1); step k starts at t=3(k-1). Step 5 starts at t=12 >= 3+7 and
+    # fires; its end (t=15) restarts the count; step 9 starts at t=24 >= 22. A steps schedule of 3 or 4
+    # would give other numbers; 12 steps and 36 s give exactly these two.
+    assert timeline_steps(tmp_dir) == [5, 9]
+
+
+def test_lifecycle_order_and_fetches(tmp_dir):
+    hook = RecordingHook(fetches={"loss": "loss", "step": "global_step"})
+    fit(model(), [HookCallback([hook])], epochs=1, n=24)
+    assert hook.calls == [
+        ("begin",), ("after_create_session",),
+        ("before_run", 0), ("after_run", 1), ("before_run", 1), ("after_run", 2),
+        ("before_run", 2), ("after_run", 3), ("end",),
+    ]
+    assert [r["step"] for r in hook.results] == [1, 2, 3]
+    assert all(np.isfinite(float(r["loss"])) for r in hook.results)
+
+
+def test_batch_is_visible_to_fetches(tmp_dir):
+    hook = RecordingHook(fetches=lambda s: tuple(s.batch[0].shape))
+    fit(model(), [HookCallback([hook])], epochs=1, n=20)
+    assert hook.results == [(8, 8), (8, 8), (4, 8)]
+
+
+def test_request_stop_ends_training_after_that_step(tmp_dir):
+    hook = RecordingHook(stop_at=4)
+    m = model()
+    fit(m, [HookCallback([hook])], epochs=5)
+    assert int(m.optimizer.iterations) == 4
+    assert hook.names()[-2:] == ["after_run", "end"]
+
+
+def test_exception_in_a_step_no_after_run_no_end_profiler_stopped_and_next_fit_traces(tmp_dir):
+    hook = RecordingHook(options=RunOptions(trace_level=TraceLevel.FULL_TRACE))
+    with pytest.raises(RuntimeError, match="boom at step 3"):
+        fit(model(fail_at=3), [HookCallback([hook])], epochs=1)
+    assert hook.names() == ["begin", "after_create_session"] + ["before_run", "after_run"] * 2 + ["before_run"]
+    assert not torch._C._autograd._profiler_enabled()
+
+    again = ProfilerHook(save_steps=2, output_dir=tmp_dir)
+    fit(model(), [again], epochs=1)
+    assert timeline_steps(tmp_dir) == [2, 4, 6]
+    assert "aten::relu" in [e["name"] for e in op_events(load_trace(again.saved_paths[0]))]
+
+
+def test_resume_continues_from_the_optimizer_iterations(tmp_dir):
+    m = model()
+    first = ProfilerHook(save_steps=4, output_dir=tmp_dir)
+    fit(m, [first], epochs=1)  # 6 steps: timeline 4... then the same model trains on
+    second = ProfilerHook(save_steps=4, output_dir=tmp_dir)
+    second.hook.load_state_dict(first.hook.state_dict())
+    fit(m, [second], epochs=1)  # global steps 7..12
+    assert timeline_steps(tmp_dir) == [4, 8, 12]

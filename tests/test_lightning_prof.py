@@ -1,0 +1,174 @@
+"""lightning_prof against real `Trainer.fit` on a tiny model: schedules, content, lifecycle, faults, resume."""
+
+import os
+
+import pytest
+import torch
+
+import core
+from core import RunOptions, TraceLevel
+from lightning_prof import HookCallback, ProfilerHook
+from tests.conftest import FakeClock, RecordingHook, load_trace, op_events, timeline_steps
+from tests.lightning_models import TinyModel, loader, trainer
+
+
+def op_names(trace, phase=None):
+    return [e["name"] for e in op_events(trace) if phase is None or e["args"].get("phase") == phase]
+
+
+@pytest.mark.parametrize("save_steps,max_steps,expected", [(3, 10, [3, 6, 9]), (4, 8, [4, 8])])
+def test_save_steps_writes_exactly_the_expected_timelines(tmp_dir, save_steps, max_steps, expected):
+    hook = ProfilerHook(save_steps=save_steps, output_dir=tmp_dir)
+    trainer(tmp_dir, [hook], max_steps).fit(TinyModel(), loader())
+    assert timeline_steps(tmp_dir) == expected
+    assert hook.saved_paths == [os.path.join(tmp_dir, f"timeline-{s}.json") for s in expected]
+
+
+def test_timeline_holds_forward_backward_and_optimizer_of_exactly_one_step(tmp_dir):
+    hook = ProfilerHook(save_steps=2, output_dir=tmp_dir)
+    trainer(tmp_dir, [hook], 4).fit(TinyModel(), loader())
+    for path in hook.saved_paths:
+        trace = load_trace(path)
+        forward, backward, optimizer = (op_names(trace, p) for p in ("forward", "backward", "optimizer"))
+        # one step of y = fc2(relu(fc1(x))): two addmm, one relu forward; their gradients; SGD's updates
+        assert forward.count("aten::addmm") == 2 and forward.count("aten::relu") == 1
+        assert backward.count("autograd::engine::evaluate_function: AddmmBackward0") == 2
+        assert backward.count("autograd::engine::evaluate_function: ReluBackward0") == 1
+        assert any(name.startswith("aten::add_") for name in optimizer)  # p.add_(grad, alpha=-lr)
+        # scopes: forward ops under their module, and gradients under the module that made them
+        addmm = [e for e in op_events(trace) if e["name"] == "aten::addmm"]
+        assert sorted(e["args"]["scope"] for e in addmm) == ["TinyModel/fc1", "TinyModel/fc2"]
+        grads = [e for e in op_events(trace) if e["name"] == "autograd::engine::evaluate_function: AddmmBackward0"]
+        assert sorted(e["args"]["scope"] for e in grads) == ["TinyModel/fc1", "TinyModel/fc2"]
+        fc1 = next(e for e in addmm if e["args"]["scope"] == "TinyModel/fc1")
+        assert fc1["args"]["inputs"][1] == {"dtype": "float32", "shape": [8, 8], "bytes": 256}
+        # nothing from another step: every op lies inside this step's train_step span
+        span = next(e for e in op_events(trace, "Span") if e["name"] == "train_step")
+        ops = op_events(trace)
+        assert all(span["ts"] <= e["ts"] and e["ts"] + e["dur"] <= span["ts"] + span["dur"] + 1 for e in ops)
+        assert trace["metadata"]["step"] == int(os.path.basename(path)[9:-5])
+
+
+def test_save_secs_triggers_on_time_not_steps(tmp_dir):
+    clock = FakeClock()
+
+    durations = {1: 4, 2: 4, 3: 4, 4: 4, 5: 1, 6: 1, 7: 1, 8: 1, 9: 1, 10: 1, 11: 12, 12: 1}
+
+    class Tick(core.SessionRunHook):  # step i takes durations[i] "seconds"
+        def after_run(self, run_context, run_values):
+            clock.now += durations[run_context.session.global_step]
+
+    hook = core.ProfilerHook(save_secs=10, output_dir=tmp_dir, clock=clock)
+    trainer(tmp_dir, [HookCallback([Tick(), hook])], 12).fit(TinyModel(), loader())
+    # The count starts when step 1 ends (t=4). A step is traced when, at its start, 10 s have passed since
+    # the last fire: step 5 starts at t=16; the fire at its end (t=17) restarts the count; step 12 starts
+    # at t=34 >= 27 after the 12 s step 11. Steps 6-11 are never traced, however many they are.
+    assert timeline_steps(tmp_dir) == [5, 12]
+
+
+def test_lifecycle_order_with_a_recording_hook(tmp_dir):
+    hook = RecordingHook()
+    trainer(tmp_dir, [HookCallback([hook])], 3).fit(TinyModel(), loader())
+    assert hook.calls == [
+        ("begin",), ("after_create_session",),
+        ("before_run", 0), ("after_run", 1), ("before_run", 1), ("after_run", 2),
+        ("before_run", 2), ("after_run", 3), ("end",),
+    ]
+
+
+def test_fetches_see_the_step_outputs_and_logged_metrics(tmp_dir):
+    hook = RecordingHook(fetches={"loss": "loss", "logged": "train_loss", "step": lambda s: s.step})
+    trainer(tmp_dir, [HookCallback([hook])], 3).fit(TinyModel(), loader())
+    assert [r["step"] for r in hook.results] == [1, 2, 3]
+    for r in hook.results:
+        assert torch.is_tensor(r["loss"]) and float(r["loss"]) == pytest.approx(float(r["logged"]))
+
+
+def test_request_stop_ends_training_after_that_step_and_calls_end(tmp_dir):
+    hook = RecordingHook(stop_at=3)
+    other = RecordingHook()
+    t = trainer(tmp_dir, [HookCallback([hook, other])], 50)
+    t.fit(TinyModel(), loader())
+    assert t.global_step == 3
+    assert other.calls[-2:] == [("after_run", 3), ("end",)]  # the second hook still saw step 3
+
+
+def test_exception_in_a_step_no_after_run_no_end_profiler_stopped_and_next_fit_traces(tmp_dir):
+    hook = RecordingHook(options=RunOptions(trace_level=TraceLevel.FULL_TRACE))
+    prof_dir = os.path.join(tmp_dir, "prof")
+    t = trainer(tmp_dir, [HookCallback([hook]), ProfilerHook(save_steps=1, output_dir=prof_dir)], 10)
+    with pytest.raises(RuntimeError, match="boom at step 3"):
+        t.fit(TinyModel(fail_at_step=3), loader())
+    assert hook.names() == ["begin", "after_create_session"] + ["before_run", "after_run"] * 2 + ["before_run"]
+    assert not torch._C._autograd._profiler_enabled()
+    assert timeline_steps(prof_dir) == [2]  # step 3 was traced but failed: no file, no temp file
+    assert sorted(os.listdir(prof_dir)) == ["timeline-2.json"]
+
+    again = ProfilerHook(save_steps=1, output_dir=os.path.join(tmp_dir, "again"))
+    trainer(tmp_dir, [again], 3).fit(TinyModel(), loader())
+    assert timeline_steps(os.path.join(tmp_dir, "again")) == [2, 3]
+    assert "aten::addmm" in op_names(load_trace(again.saved_paths[0]))
+
+
+def test_two_callbacks_asking_for_a_trace_share_one_tracer(tmp_dir):
+    first = RecordingHook(options=RunOptions(trace_level=TraceLevel.FULL_TRACE))
+    second = RecordingHook(options=RunOptions(trace_level=TraceLevel.FULL_TRACE))
+    bystander = RecordingHook()
+    trainer(tmp_dir, [HookCallback([first]), HookCallback([second, bystander])], 3).fit(TinyModel(), loader())
+    for a, b, c in zip(first.metadata, second.metadata, bystander.metadata):
+        assert a is b is c and a.step_stats is not None
+        # a second profiler started inside the first would record nothing; one tracer records the step
+        assert sum(n.op == "aten::addmm" and n.phase == "forward" for n in a.step_stats.all_nodes()) == 2
+
+
+def test_resume_from_checkpoint_continues_the_schedule(tmp_dir):
+    out = os.path.join(tmp_dir, "timelines")
+    first = trainer(tmp_dir, [ProfilerHook(save_steps=3, output_dir=out)], 5)
+    first.fit(TinyModel(), loader())
+    ckpt = os.path.join(tmp_dir, "mid.ckpt")
+    first.save_checkpoint(ckpt)
+    assert timeline_steps(out) == [3]
+
+    resumed = ProfilerHook(save_steps=3, output_dir=out)
+    trainer(tmp_dir, [resumed], 10).fit(TinyModel(), loader(), ckpt_path=ckpt)
+    # no duplicate of 3, none missing: 6 and 9 (a fresh schedule would have written 8 instead)
+    assert [os.path.basename(p) for p in resumed.saved_paths] == ["timeline-6.json", "timeline-9.json"]
+    assert timeline_steps(out) == [3, 6, 9]
+
+
+def test_default_output_dir_is_the_loggers_run_dir(tmp_dir):
+    hook = ProfilerHook(save_steps=2)
+    t = trainer(tmp_dir, [hook], 2)
+    t.fit(TinyModel(), loader())
+    assert t.log_dir.startswith(tmp_dir)
+    assert hook.saved_paths == [os.path.join(t.log_dir, "timeline-2.json")]
+
+
+def test_ranks_not_chosen_do_not_trace(tmp_dir):
+    hook = ProfilerHook(save_steps=1, output_dir=tmp_dir, ranks=[1])
+    trainer(tmp_dir, [hook], 3).fit(TinyModel(), loader())
+    assert timeline_steps(tmp_dir) == []
+    assert core.ProfilerHook(save_steps=1, output_dir=tmp_dir).timeline_path(5, 1, 2).endswith("timeline-5-rank1.json")
+
+
+def test_lightning_cli_builds_the_callback_from_config(tmp_dir):
+    from lightning.pytorch.cli import LightningCLI
+
+    cli = LightningCLI(
+        TinyModel, run=False,
+        args=["--trainer.callbacks=lightning_prof.ProfilerHook", "--trainer.callbacks.save_steps=2",
+              f"--trainer.callbacks.output_dir={tmp_dir}", "--trainer.max_steps=2",
+              "--trainer.enable_progress_bar=false", f"--trainer.default_root_dir={tmp_dir}"],
+    )
+    hooks = [c for c in cli.trainer.callbacks if isinstance(c, ProfilerHook)]
+    assert len(hooks) == 1 and hooks[0].hook.save_steps == 2
+    cli.trainer.fit(cli.model, loader())
+    assert timeline_steps(tmp_dir) == [2]
+
+
+def test_output_dir_that_cannot_be_created_fails_before_the_first_step(tmp_dir):
+    hook = RecordingHook()
+    bad = core.ProfilerHook(save_steps=1, output_dir="/proc/hookprof-cannot-exist")
+    with pytest.raises(ValueError, match=r"output_dir=.*cannot write there"):
+        trainer(tmp_dir, [HookCallback([bad, hook])], 3).fit(TinyModel(), loader())
+    assert "before_run" not in hook.names()

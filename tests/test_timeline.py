@@ -1,0 +1,66 @@
+"""ChromeTraceWriter: Trace Event Format, metadata events, chunked streaming, atomic replacement."""
+
+import json
+import os
+
+import pytest
+
+from core import ChromeTraceWriter, NodeExecStats, StepStats, TensorDescription
+
+
+def make_stats(n_ops: int, bad_at: int | None = None) -> StepStats:
+    stats = StepStats(step=7, metadata={"tracer": "test"})
+    host = stats.device("/host:CPU")
+    host.thread_names[1] = "main"
+    base = 1_700_000_000_000_000_000
+    for i in range(n_ops):
+        args = {"bad": object()} if i == bad_at else {}
+        host.node_stats.append(NodeExecStats(
+            node_name=f"fc{i % 3}/aten::addmm_{i}", op="aten::addmm", start_ns=base + 2000 * i, duration_ns=1500,
+            thread_id=1, scope=f"fc{i % 3}", phase="forward",
+            inputs=[TensorDescription("float32", (64, 256), 65536)], args=args,
+        ))
+    return stats
+
+
+def test_trace_format_metadata_and_times(tmp_path):
+    path = str(tmp_path / "timeline-7.json")
+    count = ChromeTraceWriter().write(make_stats(10_000), path, {"framework": "test"})
+    trace = json.load(open(path))
+    events = trace["traceEvents"]
+    assert count == len(events) == 4 + 10_000  # process name + sort index, thread name + sort index
+    meta = [e for e in events if e["ph"] == "M"]
+    assert {(e["name"], json.dumps(e["args"])) for e in meta} == {
+        ("process_name", '{"name": "/host:CPU Compute"}'), ("process_sort_index", '{"sort_index": 0}'),
+        ("thread_name", '{"name": "main"}'), ("thread_sort_index", '{"sort_index": 0}'),
+    }
+    assert events.index(meta[-1]) == len(meta) - 1  # metadata first
+    ops = [e for e in events if e["ph"] == "X"]
+    assert ops[0]["ts"] == 0 and ops[1]["ts"] == 2.0 and ops[0]["dur"] == 1.5  # microseconds from the start
+    assert ops[5]["args"] == {
+        "name": "fc2/aten::addmm_5", "op": "aten::addmm", "scope": "fc2", "phase": "forward",
+        "inputs": [{"dtype": "float32", "shape": [64, 256], "bytes": 65536}],
+    }
+    assert trace["baseTimeNanoseconds"] == 1_700_000_000_000_000_000
+    assert trace["metadata"]["step"] == 7 and trace["metadata"]["framework"] == "test"
+    assert trace["displayTimeUnit"] == "ms"
+
+
+def test_failure_mid_write_leaves_the_previous_file_and_no_temp(tmp_path):
+    path = str(tmp_path / "timeline-7.json")
+    ChromeTraceWriter().write(make_stats(3), path)
+    before = open(path, "rb").read()
+    with pytest.raises(TypeError):  # an unserialisable arg in the second chunk: the stream has started
+        ChromeTraceWriter().write(make_stats(10_000, bad_at=9_000), path)
+    assert open(path, "rb").read() == before
+    assert os.listdir(tmp_path) == ["timeline-7.json"]
+
+
+def test_written_file_has_umask_permissions(tmp_path):
+    path = str(tmp_path / "t.json")
+    old = os.umask(0o022)
+    try:
+        ChromeTraceWriter().write(make_stats(1), path)
+    finally:
+        os.umask(old)
+    assert oct(os.stat(path).st_mode & 0o777) == oct(0o644)
