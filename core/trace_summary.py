@@ -1,0 +1,32 @@
+"""Read back a timeline written by `ChromeTraceWriter` and describe it in one line."""
+
+from __future__ import annotations
+
+import collections
+import gzip
+
+import orjson
+
+
+def load_trace(path: str) -> dict:
+    """Parse a `.json` or `.json.gz` timeline."""
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rb") as f:
+        return orjson.loads(f.read())
+
+
+def summarize(path: str) -> str:
+    """`"412 ops (forward 140, backward 187, optimizer 85), step 3.1 ms"` for the timeline at `path`."""
+    trace = load_trace(path)
+    phases: collections.Counter[str] = collections.Counter()
+    step_us = None
+    for event in trace["traceEvents"]:
+        if event.get("ph") != "X":
+            continue
+        if event.get("cat") == "Op":
+            phases[event.get("args", {}).get("phase", "?")] += 1
+        elif event.get("cat") == "Span" and event.get("name") == "train_step":
+            step_us = event["dur"]
+    parts = ", ".join(f"{p} {n}" for p, n in sorted(phases.items()))
+    step = f", step {step_us / 1000:.1f} ms" if step_us is not None else ""
+    return f"{sum(phases.values())} ops ({parts}){step}"

@@ -1,0 +1,34 @@
+"""Train an MLP on the bundled two-moons data with Keras (torch backend), a timeline every 0.5 seconds."""
+
+import argparse
+import os
+
+os.environ.setdefault("KERAS_BACKEND", "torch")
+
+import keras  # noqa: E402
+
+from examples.data import two_moons  # noqa: E402
+from keras_prof import ProfilerHook  # noqa: E402
+
+
+def main(output_dir: str, epochs: int = 8, save_secs: float = 0.5) -> list[str]:
+    x, y = two_moons()
+    model = keras.Sequential([
+        keras.Input((2,)),
+        keras.layers.Dense(64, activation="relu", name="hidden1"),
+        keras.layers.Dense(64, activation="relu", name="hidden2"),
+        keras.layers.Dense(1, name="head"),
+    ], name="moons")
+    model.compile(optimizer=keras.optimizers.Adam(1e-2),
+                  loss=keras.losses.BinaryCrossentropy(from_logits=True), metrics=["accuracy"])
+    hook = ProfilerHook(save_secs=save_secs, output_dir=output_dir)
+    model.fit(x, y, batch_size=64, epochs=epochs, callbacks=[hook], verbose=0)
+    return hook.saved_paths
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--output-dir", default="runs/demo/keras")
+    parser.add_argument("--epochs", type=int, default=8)
+    args = parser.parse_args()
+    print("\n".join(main(args.output_dir, args.epochs)))

@@ -1,0 +1,111 @@
+"""TorchTracer on plain torch: nested module scopes, backward scopes, tensor sizes, clean start/stop."""
+
+import subprocess
+import sys
+import textwrap
+
+import torch
+
+from core import RunOptions, TraceLevel
+from core.tracing.torch_tracer import TorchTracer
+
+FULL = RunOptions(trace_level=TraceLevel.FULL_TRACE)
+
+
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(256, 256)
+
+    def forward(self, x):
+        return torch.relu(self.proj(x))
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.encoder = torch.nn.Sequential(Block(), Block())
+        self.head = torch.nn.Linear(256, 1)
+
+    def forward(self, x):
+        return self.head(self.encoder(x))
+
+
+def traced_step(model, tracer):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    tracer.start(FULL)
+    loss = model(torch.randn(64, 256)).sum()
+    loss.backward()
+    opt.step()
+    return tracer.stop()
+
+
+def test_nested_scopes_backward_scopes_and_tensor_sizes():
+    model = Net()
+    stats = traced_step(model, TorchTracer(model))
+    nodes = list(stats.all_nodes())
+    addmm = [n for n in nodes if n.op == "aten::addmm" and n.phase == "forward"]
+    assert sorted(n.scope for n in addmm) == ["Net/encoder/0/proj", "Net/encoder/1/proj", "Net/head"]
+    relu = [n for n in nodes if n.op == "aten::relu"]
+    assert sorted(n.scope for n in relu) == ["Net/encoder/0", "Net/encoder/1"]
+    # the 64x256 float32 activation fed to the second block's projection: 65536 bytes
+    second = next(n for n in addmm if n.scope == "Net/encoder/1/proj")
+    assert [(t.dtype, t.shape, t.nbytes) for t in second.inputs[:2]] == [
+        ("float32", (256,), 1024), ("float32", (64, 256), 65536)]
+    grads = [n for n in nodes if n.op == "autograd::engine::evaluate_function: AddmmBackward0"]
+    assert sorted(n.scope for n in grads) == ["Net/encoder/0/proj", "Net/encoder/1/proj", "Net/head"]
+    assert all(n.phase == "backward" for n in grads)
+    assert {n.scope for n in nodes if n.phase == "optimizer" and n.category == "Op"} == {"optimizer/SGD"}
+    assert len({n.node_name for n in nodes}) == len(nodes)  # node names are unique in the step
+    modules = [n for n in nodes if n.category == "Module"]
+    assert {n.scope for n in modules} >= {"Net", "Net/encoder", "Net/encoder/0", "Net/head"}
+
+
+def test_scope_hooks_exist_only_during_the_traced_step():
+    from torch.nn.modules import module as nn_module
+
+    before = (len(nn_module._global_forward_pre_hooks), len(nn_module._global_forward_hooks))
+    model = Net()
+    tracer = TorchTracer(model)
+    tracer.start(FULL)
+    assert len(nn_module._global_forward_pre_hooks) == before[0] + 1
+    model(torch.randn(2, 256))
+    tracer.stop()
+    assert (len(nn_module._global_forward_pre_hooks), len(nn_module._global_forward_hooks)) == before
+    assert not torch._C._autograd._profiler_enabled()
+
+
+def test_abort_after_a_forward_that_raised_closes_everything():
+    class Raises(torch.nn.Module):
+        def forward(self, x):
+            raise ValueError("bad forward")
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), Raises())
+    tracer = TorchTracer(model)
+    tracer.start(FULL)
+    try:
+        model(torch.randn(2, 4))
+    except ValueError:
+        tracer.abort()
+    assert not torch._C._autograd._profiler_enabled()
+    again = TorchTracer(model[0])
+    again.start(FULL)
+    model[0](torch.randn(2, 4))
+    assert any(n.op == "aten::addmm" for n in again.stop().all_nodes())
+
+
+def test_profiler_prints_no_per_start_log_lines():
+    script = textwrap.dedent("""
+        import torch
+        from core import RunOptions, TraceLevel
+        from core.tracing.torch_tracer import TorchTracer
+        m = torch.nn.Linear(4, 4)
+        for _ in range(3):
+            t = TorchTracer(m); t.start(RunOptions(trace_level=TraceLevel.FULL_TRACE)); m(torch.randn(2, 4)).sum().backward()
+            assert any(n.op == "aten::addmm" for n in t.stop().all_nodes())
+        print("traced")
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "traced"
+    assert "profiler_start" not in done.stderr and "USDT" not in done.stderr, done.stderr
