@@ -162,6 +162,7 @@ class HookedSession:
         self._key: Hashable = None
 
     def begin(self) -> None:
+        self._traces.new_run()
         for hook in self.hooks:
             hook.begin()
 

@@ -120,12 +120,13 @@ class ProfilerHook(SessionRunHook):
         }
         try:
             self._writer.write(stats, path, metadata)
-        except OSError as err:  # a full disk must not end the training run
+        except Exception as err:  # a full disk, or a bug of ours, must not end the training run
             self.dropped_outputs += 1
-            reason = err.strerror or str(err)
+            reason = (err.strerror or str(err)) if isinstance(err, OSError) else type(err).__name__
             if reason not in self._warned:
                 self._warned.add(reason)
-                log.warning("Could not write timeline %s (%s); training goes on without it.", path, reason)
+                log.warning("Could not write timeline %s (%s); training goes on without it.", path, reason,
+                            exc_info=not isinstance(err, OSError))
             return
         self.saved_paths.append(path)
 

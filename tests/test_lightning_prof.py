@@ -172,3 +172,27 @@ def test_output_dir_that_cannot_be_created_fails_before_the_first_step(tmp_dir):
     with pytest.raises(ValueError, match=r"output_dir=.*cannot write there"):
         trainer(tmp_dir, [HookCallback([bad, hook])], 3).fit(TinyModel(), loader())
     assert "before_run" not in hook.names()
+
+
+def test_a_users_own_torch_profiler_keeps_its_trace_and_we_skip_with_one_warning(tmp_dir, caplog):
+    hook = ProfilerHook(save_steps=1, output_dir=tmp_dir)
+    with torch.profiler.profile() as user_prof:
+        trainer(tmp_dir, [hook], 4).fit(TinyModel(), loader())
+    assert timeline_steps(tmp_dir) == []
+    user_addmm = [e for e in user_prof.events() if e.name == "aten::addmm"]
+    assert len(user_addmm) >= 4 * 2  # the user's trace saw every step's two linears
+    warnings = [r for r in caplog.records if "another torch profiler is running" in r.getMessage()]
+    assert len(warnings) == 1
+
+
+def test_a_timeline_that_cannot_be_written_is_dropped_once_and_training_goes_on(tmp_dir, caplog):
+    os.mkdir(os.path.join(tmp_dir, "timeline-2.json"))  # a directory squats on the first timeline's name
+    hook = ProfilerHook(save_steps=2, output_dir=tmp_dir)
+    t = trainer(tmp_dir, [hook], 6)
+    t.fit(TinyModel(), loader())
+    assert t.global_step == 6
+    assert hook.hook.dropped_outputs == 1
+    assert [os.path.basename(p) for p in hook.saved_paths] == ["timeline-4.json", "timeline-6.json"]
+    assert not [n for n in os.listdir(tmp_dir) if n.endswith(".tmp")]
+    dropped = [r for r in caplog.records if "Could not write timeline" in r.getMessage()]
+    assert len(dropped) == 1 and "timeline-2.json" in dropped[0].getMessage()

@@ -64,3 +64,21 @@ def test_written_file_has_umask_permissions(tmp_path):
     finally:
         os.umask(old)
     assert oct(os.stat(path).st_mode & 0o777) == oct(0o644)
+
+
+def test_kernel_launch_arrows_join_runtime_launch_to_kernel(tmp_path):
+    stats = StepStats(step=1)
+    host, gpu = stats.device("/host:CPU"), stats.device("/device:CUDA:0")
+    base = 10_000_000
+    host.node_stats.append(NodeExecStats("cudaLaunchKernel", "cudaLaunchKernel", base, 5_000, 1,
+                                         category="Runtime", args={"correlation": 42}))
+    gpu.node_stats.append(NodeExecStats("gemm", "gemm", base + 20_000, 9_000, 7, category="Kernel",
+                                        args={"correlation": 42}))
+    gpu.node_stats.append(NodeExecStats("orphan", "orphan", base + 40_000, 1_000, 7, category="Kernel",
+                                        args={"correlation": 43}))
+    path = str(tmp_path / "t.json")
+    ChromeTraceWriter(show_dataflow=True).write(stats, path)
+    flows = [e for e in json.load(open(path))["traceEvents"] if e["ph"] in "st"]
+    assert [(e["ph"], e["pid"], e["tid"], e["ts"], e["id"]) for e in flows] == [("s", 0, 1, 0, 42), ("t", 1, 7, 20, 42)]
+    ChromeTraceWriter(show_dataflow=False).write(stats, path)
+    assert not [e for e in json.load(open(path))["traceEvents"] if e["ph"] in "st"]

@@ -23,6 +23,10 @@ HOST_DEVICE = "/host:CPU"
 STEP_THREAD_ID = 0  # the pseudo-thread that carries the step's phase spans on the host device
 
 
+class TracerUnavailable(RuntimeError):
+    """A tracer cannot run now (another profiler holds the machinery); the step runs untraced."""
+
+
 class Tracer(abc.ABC):
     """Collects one step into `StepStats`; the coordinator adds the step's phase spans to what it returns."""
 
@@ -64,6 +68,16 @@ class StepTraceCoordinator:
     def __init__(self) -> None:
         self._current: _StepTrace | None = None
         self._last_step_end_ns: int | None = None
+        self._warned: set[str] = set()
+
+    def _warn_once(self, key: str, message: str, *args: object, exc_info: bool = False) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning(message, *args, exc_info=exc_info)
+
+    def new_run(self) -> None:
+        """Training (re)starts: the time between the last step of a previous run and now is no data wait."""
+        self._last_step_end_ns = None
 
     @property
     def active(self) -> bool:
@@ -78,21 +92,25 @@ class StepTraceCoordinator:
                 if options.trace_level > current.options.trace_level or (
                     options.record_memory and not current.options.record_memory
                 ):
-                    log.warning(
+                    self._warn_once(
+                        "detail",
                         "A second callback asked for more detail (%s) than the trace already running for "
                         "this step (%s); put the callback that needs it first in the callbacks list.",
                         options, current.options,
                     )
                 return
             self.abort()
-        tracer = factory()
+        try:
+            tracer = factory()
+            tracer.start(options)
+        except TracerUnavailable as err:
+            self._warn_once(f"unavailable:{err}", "Step not traced: %s", err)
+            return
+        except Exception:  # profiling must never end the user's training run
+            self._warn_once("start", "Starting the step's tracer failed; steps run untraced.", exc_info=True)
+            return
         trace = _StepTrace(key, tracer, options, self._last_step_end_ns)
         self._current = trace
-        try:
-            tracer.start(options)
-        except BaseException:
-            self._current = None
-            raise
         trace.marks.append(("step", time.time_ns()))
 
     def mark(self, phase: str) -> None:
@@ -111,7 +129,12 @@ class StepTraceCoordinator:
             return None
         if current.metadata is None:
             end_ns = time.time_ns()
-            stats = current.tracer.stop()
+            try:
+                stats = current.tracer.stop()
+            except Exception:  # a conversion bug costs this trace, never the training run
+                self._warn_once("stop", "Collecting the traced step failed; it has no timeline.", exc_info=True)
+                current.metadata = RunMetadata()
+                return current.metadata
             stats.step = step
             stats.metadata.setdefault("tracer", current.tracer.name)
             _add_phase_spans(stats, current, end_ns)

@@ -15,7 +15,7 @@ from typing import Any
 
 from core.session_run_hook import RunOptions, TraceLevel
 from core.step_stats import DTYPE_ITEMSIZE, NodeExecStats, StepStats, TensorDescription
-from core.tracing.base import HOST_DEVICE, Tracer
+from core.tracing.base import HOST_DEVICE, Tracer, TracerUnavailable
 
 # Kineto prints "profiler_start"/"profiler_stop" lines on every start unless its log level is above USDT (5).
 # It reads the variable when the profiler first starts, so setting it at import of this module is in time.
@@ -39,6 +39,8 @@ _TORCH_DTYPES = {
     "unsigned long": "uint64",
 }
 _KERNEL_ACTIVITIES = {"kernel", "gpu_memcpy", "gpu_memset", "concurrent_kernel"}
+_RUNTIME_ACTIVITIES = {"cuda_runtime", "cuda_driver"}
+_HOST_ACTIVITIES = {"cpu_op", "user_annotation"} | _RUNTIME_ACTIVITIES
 
 
 def _module_label(module: Any, local_names: dict[int, str]) -> str:
@@ -122,6 +124,12 @@ class TorchTracer(Tracer):
     def start(self, options: RunOptions) -> None:
         from torch.autograd import profiler as autograd_profiler
 
+        if torch._C._autograd._profiler_enabled():
+            # Starting a second kineto session would silently take over the user's (their trace ends empty).
+            raise TracerUnavailable(
+                "another torch profiler is running (torch.profiler.profile, or Trainer(profiler='pytorch')); "
+                "hookprof skips its traces while it runs"
+            )
         self._options = options
         use_cuda = torch.cuda.is_available() and options.trace_level >= TraceLevel.HARDWARE_TRACE
         prof = autograd_profiler.profile(
@@ -170,7 +178,7 @@ def _convert(events: list, stats: StepStats) -> None:
     cpu_events = []
     for ev in events:
         activity = ev.activity_type()
-        if ev.device_type() == torch.autograd.DeviceType.CPU and activity in ("cpu_op", "user_annotation"):
+        if ev.device_type() == torch.autograd.DeviceType.CPU and activity in _HOST_ACTIVITIES:
             cpu_events.append(ev)
         elif activity in _KERNEL_ACTIVITIES:
             _add_kernel(ev, activity, stats)
@@ -214,6 +222,8 @@ def _convert(events: list, stats: StepStats) -> None:
                 phase, scope = "optimizer", optimizer
         elif ev.is_user_annotation():
             category = "Span"
+        elif ev.activity_type() in _RUNTIME_ACTIVITIES:
+            category = "Runtime"  # cudaLaunchKernel & co.: the launch end of a launch -> kernel arrow
         if not phase:
             phase = "optimizer" if backward_end and start >= backward_end else "forward"
         if phase == "forward" and category == "Op":
@@ -237,6 +247,7 @@ def _convert(events: list, stats: StepStats) -> None:
             NodeExecStats(
                 node_name=f"{base}_{count}" if count else base, op=op, start_ns=start, duration_ns=dur,
                 thread_id=tid, scope=scope, phase=phase, inputs=inputs, category=category,
+                args={"correlation": ev.correlation_id()} if category == "Runtime" else {},
             )
         )
 
