@@ -56,7 +56,19 @@ class Session:
         self.model = model
         self.rank = rank
         self.world_size = world_size
-        self.last_step: StepState | None = None
+        self._last_step: StepState | Callable[[], StepState] | None = None
+
+    @property
+    def last_step(self) -> StepState | None:
+        """The last finished step's state, built on first use (most steps never need it)."""
+        last = self._last_step
+        if last is not None and not isinstance(last, StepState):
+            last = self._last_step = last()
+        return last
+
+    @last_step.setter
+    def last_step(self, value: StepState | Callable[[], StepState] | None) -> None:
+        self._last_step = value
 
     @property
     def global_step(self) -> int:
@@ -158,7 +170,8 @@ class HookedSession:
         self._traces = traces
         self._context: SessionRunContext | None = None
         self._fetches: dict[int, Any] = {}
-        self._options = RunOptions()
+        self._options: RunOptions | None = None
+        self._no_options = RunOptions()  # what hooks see on steps no hook asked options for
         self._key: Hashable = None
 
     def begin(self) -> None:
@@ -175,7 +188,7 @@ class HookedSession:
         context = SessionRunContext(original_args, session)
         fetches: dict[int, Any] = {}
         feeds: dict[str, Any] = {}
-        options = RunOptions()
+        options: RunOptions | None = None
         for i, hook in enumerate(self.hooks):
             request = hook.before_run(context)
             if request is None:
@@ -190,12 +203,14 @@ class HookedSession:
             if request.feed_dict:
                 _merge_feeds(feeds, request.feed_dict, original_args.feed_dict or {}, type(hook).__name__)
             if request.options is not None:
+                if options is None:
+                    options = RunOptions()
                 options.merge(request.options)
         self._context, self._fetches, self._options, self._key = context, fetches, options, step_key
         if feeds:
             global _current_feeds
             _current_feeds = feeds
-        if options.trace_level > TraceLevel.NO_TRACE:
+        if options is not None and options.trace_level > TraceLevel.NO_TRACE:
             self._traces.start(step_key, self.tracer_factory, options)
 
     def after_run(self, make_state: Callable[[], StepState]) -> bool:
@@ -205,13 +220,20 @@ class HookedSession:
         if context is None:  # before_run did not complete (an earlier callback raised)
             return False
         self._context = None
-        _current_feeds = {}
-        state = make_state()
-        metadata = self._traces.finish(self._key, state.step) or RunMetadata()
+        if _current_feeds:
+            _current_feeds = {}
+        fetches = self._fetches
+        state = make_state() if fetches else None
+        metadata = self._traces.finish(self._key)
+        if metadata is None:
+            metadata = RunMetadata()
+        elif metadata.step_stats is not None and metadata.step_stats.step is None:
+            state = state or make_state()
+            metadata.step_stats.step = state.step
         session = context.session
         if isinstance(session, Session):
-            session.last_step = state
-        fetches, options = self._fetches, self._options
+            session.last_step = state or make_state
+        options = self._options or self._no_options
         for i, hook in enumerate(self.hooks):
             results = evaluate_fetches(fetches[i], state) if i in fetches else None
             hook.after_run(context, SessionRunValues(results, options, metadata))

@@ -121,7 +121,7 @@ class StepTraceCoordinator:
             if all(name != phase for name, _ in marks):
                 marks.append((phase, time.time_ns()))
 
-    def finish(self, key: Hashable, step: int | None) -> RunMetadata | None:
+    def finish(self, key: Hashable) -> RunMetadata | None:
         """Stop the trace of step `key` (if it still runs) and return its metadata; None if it was not traced."""
         self._last_step_end_ns = time.time_ns()
         current = self._current
@@ -135,7 +135,6 @@ class StepTraceCoordinator:
                 self._warn_once("stop", "Collecting the traced step failed; it has no timeline.", exc_info=True)
                 current.metadata = RunMetadata()
                 return current.metadata
-            stats.step = step
             stats.metadata.setdefault("tracer", current.tracer.name)
             _add_phase_spans(stats, current, end_ns)
             current.metadata = RunMetadata(step_stats=stats)
