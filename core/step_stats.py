@@ -8,6 +8,7 @@ clock torch.profiler and `time.time_ns()` share, so host spans and op events lin
 from __future__ import annotations
 
 import dataclasses
+from math import prod
 from typing import Any
 
 # Bytes per element for the dtype names this project writes (canonical numpy-style names).
@@ -30,12 +31,26 @@ class TensorDescription:
         return {"dtype": self.dtype, "shape": list(self.shape), "bytes": self.nbytes}
 
 
+def tensor_description(shape: list | tuple, dtype: str) -> TensorDescription | None:
+    """A TensorDescription for an argument given as (shape, canonical dtype name); None if not a tensor."""
+    itemsize = DTYPE_ITEMSIZE.get(dtype)
+    if itemsize is None:
+        return None
+    numel = 1
+    for dim in shape:
+        numel *= dim
+    return TensorDescription(dtype, tuple(shape), numel * itemsize)
+
+
 @dataclasses.dataclass(slots=True)
 class NodeExecStats:
     """One op execution: `op` is the type (`aten::addmm`), `node_name` is unique within the step.
 
     `scope` is the module path it ran in (`encoder/fc1`; backward ops inherit the scope of the forward op
-    they differentiate); `phase` is `data`, `forward`, `backward`, `optimizer` or `step` where known.
+    they differentiate); `phase` is `data`, `forward`, `backward`, `optimizer` or a host span's name.
+    The op's arguments are kept as recorded, one entry per argument position: `input_shapes` (a list of
+    dims, `[]` for scalars) and `input_dtypes` (canonical names such as `float32` for tensors, the
+    framework's word such as `Scalar` otherwise); `inputs` gives the tensor arguments as TensorDescriptions.
     """
 
     node_name: str
@@ -45,14 +60,45 @@ class NodeExecStats:
     thread_id: int
     scope: str = ""
     phase: str = ""
-    inputs: list[TensorDescription] = dataclasses.field(default_factory=list)
-    outputs: list[TensorDescription] = dataclasses.field(default_factory=list)
-    category: str = "Op"  # "Op" for framework ops, "Kernel" for device kernels, "Span" for host spans
-    args: dict[str, Any] = dataclasses.field(default_factory=dict)
+    input_shapes: list | None = None
+    input_dtypes: list | None = None
+    outputs: list[TensorDescription] | None = None
+    category: str = "Op"  # "Op" framework ops, "Module" module calls, "Span" host spans, "Kernel", "Runtime"
+    args: dict[str, Any] | None = None
 
     @property
     def end_ns(self) -> int:
         return self.start_ns + self.duration_ns
+
+    @property
+    def inputs(self) -> list[TensorDescription]:
+        """The tensor arguments (scalars and lists left out), with their sizes in bytes."""
+        if not self.input_shapes:
+            return []
+        found = (tensor_description(s, d) for s, d in zip(self.input_shapes, self.input_dtypes or ()))
+        return [t for t in found if t is not None]
+
+    def input_bytes(self) -> list[int | None]:
+        """Bytes per argument position (None for non-tensors), parallel to `input_shapes`."""
+        sizes = _itemsizes(self.input_dtypes)
+        return [None if size is None else size * prod(shape) for shape, size in zip(self.input_shapes or (), sizes)]
+
+
+_ITEMSIZE_CACHE: dict[int, tuple[list[str], list[int | None]]] = {}
+
+
+def _itemsizes(dtypes: list[str] | None) -> list[int | None]:
+    """Item sizes per argument; memoised per dtype list object (tracers share one list per signature)."""
+    if not dtypes:
+        return []
+    hit = _ITEMSIZE_CACHE.get(id(dtypes))
+    if hit is not None and hit[0] is dtypes:
+        return hit[1]
+    sizes = [DTYPE_ITEMSIZE.get(d) for d in dtypes]
+    if len(_ITEMSIZE_CACHE) > 4096:
+        _ITEMSIZE_CACHE.clear()
+    _ITEMSIZE_CACHE[id(dtypes)] = (dtypes, sizes)
+    return sizes
 
 
 @dataclasses.dataclass(slots=True)

@@ -5,7 +5,8 @@ readable by Perfetto (ui.perfetto.dev) and chrome://tracing. Layout, as TF's `ti
 - one process per device, named "<device> Compute", with `process_sort_index`;
 - one thread per recorded thread (and a "Step phases" thread), with `thread_name` and `thread_sort_index`;
 - `X` events for ops (`cat` "Op"), module scopes (`cat` "Module"), host spans (`cat` "Span") and kernels,
-  `args` holding the node name, op, module scope, phase and inputs (dtype, shape, bytes);
+  `args` holding the node name, op, module scope, phase and, per argument position, `input_shapes`,
+  `input_dtypes` and `input_bytes` (None for non-tensor arguments);
 - times in microseconds from the step's first event (`baseTimeNanoseconds` gives the absolute start).
 Events are serialised by orjson in chunks and streamed to a temp file that is renamed into place.
 """
@@ -82,8 +83,11 @@ def _op_event(node: NodeExecStats, pid: int, base: int) -> dict[str, Any]:
         args["scope"] = node.scope
     if node.phase:
         args["phase"] = node.phase
-    if node.inputs:
-        args["inputs"] = [t.to_json() for t in node.inputs]
+    if node.input_shapes:
+        # one entry per argument position, as recorded (torch's own traces use the same parallel lists)
+        args["input_shapes"] = node.input_shapes
+        args["input_dtypes"] = node.input_dtypes
+        args["input_bytes"] = node.input_bytes()
     if node.outputs:
         args["outputs"] = [t.to_json() for t in node.outputs]
     if node.args:
@@ -100,7 +104,7 @@ def _launch_flows(stats: StepStats, base: int) -> Iterable[dict[str, Any]]:
     kernels: list[tuple[int, NodeExecStats]] = []
     for pid, dev in enumerate(stats.dev_stats):
         for node in dev.node_stats:
-            correlation = node.args.get("correlation")
+            correlation = node.args.get("correlation") if node.args else None
             if correlation is None:
                 continue
             if node.category == "Kernel":

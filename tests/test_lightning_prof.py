@@ -41,7 +41,10 @@ def test_timeline_holds_forward_backward_and_optimizer_of_exactly_one_step(tmp_d
         grads = [e for e in op_events(trace) if e["name"] == "autograd::engine::evaluate_function: AddmmBackward0"]
         assert sorted(e["args"]["scope"] for e in grads) == ["TinyModel/fc1", "TinyModel/fc2"]
         fc1 = next(e for e in addmm if e["args"]["scope"] == "TinyModel/fc1")
-        assert fc1["args"]["inputs"][1] == {"dtype": "float32", "shape": [8, 8], "bytes": 256}
+        args = fc1["args"]  # addmm(bias, input, weight.t(), beta, alpha): one entry per argument
+        assert args["input_shapes"][:3] == [[16], [8, 8], [8, 16]]
+        assert args["input_dtypes"] == ["float32", "float32", "float32", "Scalar", "Scalar"]
+        assert args["input_bytes"] == [64, 256, 512, None, None]
         # nothing from another step: every op lies inside this step's train_step span
         span = next(e for e in op_events(trace, "Span") if e["name"] == "train_step")
         ops = op_events(trace)

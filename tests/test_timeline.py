@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from core import ChromeTraceWriter, NodeExecStats, StepStats, TensorDescription
+from core import ChromeTraceWriter, NodeExecStats, StepStats
 
 
 def make_stats(n_ops: int, bad_at: int | None = None) -> StepStats:
@@ -18,7 +18,7 @@ def make_stats(n_ops: int, bad_at: int | None = None) -> StepStats:
         host.node_stats.append(NodeExecStats(
             node_name=f"fc{i % 3}/aten::addmm_{i}", op="aten::addmm", start_ns=base + 2000 * i, duration_ns=1500,
             thread_id=1, scope=f"fc{i % 3}", phase="forward",
-            inputs=[TensorDescription("float32", (64, 256), 65536)], args=args,
+            input_shapes=[[64, 256], []], input_dtypes=["float32", "Scalar"], args=args,
         ))
     return stats
 
@@ -39,7 +39,7 @@ def test_trace_format_metadata_and_times(tmp_path):
     assert ops[0]["ts"] == 0 and ops[1]["ts"] == 2.0 and ops[0]["dur"] == 1.5  # microseconds from the start
     assert ops[5]["args"] == {
         "name": "fc2/aten::addmm_5", "op": "aten::addmm", "scope": "fc2", "phase": "forward",
-        "inputs": [{"dtype": "float32", "shape": [64, 256], "bytes": 65536}],
+        "input_shapes": [[64, 256], []], "input_dtypes": ["float32", "Scalar"], "input_bytes": [65536, None],
     }
     assert trace["baseTimeNanoseconds"] == 1_700_000_000_000_000_000
     assert trace["metadata"]["step"] == 7 and trace["metadata"]["framework"] == "test"

@@ -14,7 +14,7 @@ import os
 from typing import Any
 
 from core.session_run_hook import RunOptions, TraceLevel
-from core.step_stats import DTYPE_ITEMSIZE, NodeExecStats, StepStats, TensorDescription
+from core.step_stats import NodeExecStats, StepStats
 from core.tracing.base import HOST_DEVICE, Tracer, TracerUnavailable
 
 # Kineto prints "profiler_start"/"profiler_stop" lines on every start unless its log level is above USDT (5).
@@ -95,16 +95,6 @@ class _ModuleScopes:
             self._open.pop().__exit__(None, None, None)
 
 
-def _tensor(shape: list, dtype: str) -> TensorDescription | None:
-    name = _TORCH_DTYPES.get(dtype)
-    if name is None:
-        return None  # a Scalar, a list, None: not a tensor
-    numel = 1
-    for dim in shape:
-        numel *= dim
-    return TensorDescription(name, tuple(shape), numel * DTYPE_ITEMSIZE[name])
-
-
 class TorchTracer(Tracer):
     """Traces one step with torch's profiler (CPU ops, plus CUDA kernels when CUDA is available).
 
@@ -173,28 +163,32 @@ class TorchTracer(Tracer):
 
 
 def _convert(events: list, stats: StepStats) -> None:
-    """Turn kineto events into NodeExecStats: scopes from module spans, phases from autograd and optimizer."""
+    """Turn kineto events into NodeExecStats: scopes from module spans, phases from autograd and optimizer.
+
+    Each pybind accessor costs about a microsecond and `shapes()` + `dtypes()` about eight, so every field
+    is read once, and only for the events that need it.
+    """
     host = stats.device(HOST_DEVICE)
-    cpu_events = []
+    rows = []
     for ev in events:
         activity = ev.activity_type()
-        if ev.device_type() == torch.autograd.DeviceType.CPU and activity in _HOST_ACTIVITIES:
-            cpu_events.append(ev)
+        if activity in _HOST_ACTIVITIES:
+            rows.append((ev.start_ns(), -ev.duration_ns(), ev.start_thread_id(), len(rows), activity, ev))
         elif activity in _KERNEL_ACTIVITIES:
             _add_kernel(ev, activity, stats)
-    cpu_events.sort(key=lambda e: (e.start_ns(), -e.duration_ns()))
+    rows.sort()
 
     # per thread, the open events: (end_ns, scope, phase, optimizer scope)
     stacks: dict[int, list[tuple[int, str, str, str]]] = {}
     forward_scopes: dict[tuple[int, int], str] = {}  # (thread, autograd sequence nr) -> scope
     name_counts: dict[str, int] = {}
     nodes = host.node_stats
+    dtype_names = _TORCH_DTYPES
+    dtype_cache: dict[tuple, list[str]] = {}
     backward_end = 0
-    for ev in cpu_events:
+    for start, neg_dur, tid, _, activity, ev in rows:
+        dur = -neg_dur
         name = ev.name()
-        start = ev.start_ns()
-        dur = ev.duration_ns()
-        tid = ev.start_thread_id()
         stack = stacks.get(tid)
         if stack is None:
             stack = stacks[tid] = []
@@ -204,32 +198,41 @@ def _convert(events: list, stats: StepStats) -> None:
         scope, phase, optimizer = stack[-1][1:] if stack else ("", "", "")
         category = "Op"
         op = name
-        if name.startswith(MODULE_PREFIX):
-            op = name[len(MODULE_PREFIX):]
-            scope = f"{scope}/{op}" if scope else op
-            category = "Module"
-        elif name.startswith(BACKWARD_PREFIX):
-            phase = "backward"
-            scope = forward_scopes.get((ev.fwd_thread_id(), ev.sequence_nr()), scope)
-            backward_end = max(backward_end, start + dur)
-        elif name.startswith(OPTIMIZER_PREFIXES):
-            # Lightning runs the whole closure (forward, backward) inside Optimizer.step, so the step span
-            # only names the optimizer; the ops after backward inside it are the update. zero_grad is all
-            # optimizer work.
-            optimizer = "optimizer/" + name.split("#", 1)[1].split(".", 1)[0]
+        shapes = dtypes = args = None
+        if activity == "cpu_op":
+            if name.startswith(BACKWARD_PREFIX):
+                phase = "backward"
+                scope = forward_scopes.get((ev.fwd_thread_id(), ev.sequence_nr()), scope)
+                backward_end = max(backward_end, start + dur)
+            else:
+                shapes = ev.shapes()
+                if shapes:
+                    raw = tuple(ev.dtypes())
+                    dtypes = dtype_cache.get(raw)
+                    if dtypes is None:  # a step has few distinct signatures: map each once, share the list
+                        dtypes = dtype_cache[raw] = [dtype_names.get(d, d) for d in raw]
+        elif activity == "user_annotation":
             category = "Span"
-            if name.startswith("Optimizer.zero_grad#"):
-                phase, scope = "optimizer", optimizer
-        elif ev.is_user_annotation():
-            category = "Span"
-        elif ev.activity_type() in _RUNTIME_ACTIVITIES:
-            category = "Runtime"  # cudaLaunchKernel & co.: the launch end of a launch -> kernel arrow
+            if name.startswith(MODULE_PREFIX):
+                op = name[len(MODULE_PREFIX):]
+                scope = f"{scope}/{op}" if scope else op
+                category = "Module"
+            elif name.startswith(OPTIMIZER_PREFIXES):
+                # Lightning runs the whole closure (forward, backward) inside Optimizer.step, so the step
+                # span only names the optimizer; the ops after backward inside it are the update.
+                # zero_grad is all optimizer work.
+                optimizer = "optimizer/" + name.split("#", 1)[1].split(".", 1)[0]
+                if name.startswith("Optimizer.zero_grad#"):
+                    phase, scope = "optimizer", optimizer
+        else:  # cudaLaunchKernel & co.: the launch end of a launch -> kernel arrow
+            category = "Runtime"
+            args = {"correlation": ev.correlation_id()}
         if not phase:
             phase = "optimizer" if backward_end and start >= backward_end else "forward"
         if phase == "forward" and category == "Op":
             seq = ev.sequence_nr()
-            if seq >= 0:
-                forward_scopes.setdefault((tid, seq), scope)
+            if seq >= 0 and (tid, seq) not in forward_scopes:
+                forward_scopes[(tid, seq)] = scope
         if phase == "optimizer" and not scope:
             scope = optimizer or "optimizer"
         stack.append((start + dur, scope, phase if phase != "forward" else "", optimizer))
@@ -237,17 +240,10 @@ def _convert(events: list, stats: StepStats) -> None:
         base = scope if category == "Module" else (f"{scope}/{op}" if scope else op)
         count = name_counts.get(base, 0)
         name_counts[base] = count + 1
-        inputs = []
-        if category == "Op":
-            for shape, dtype in zip(ev.shapes(), ev.dtypes()):
-                tensor = _tensor(shape, dtype)
-                if tensor is not None:
-                    inputs.append(tensor)
         nodes.append(
             NodeExecStats(
-                node_name=f"{base}_{count}" if count else base, op=op, start_ns=start, duration_ns=dur,
-                thread_id=tid, scope=scope, phase=phase, inputs=inputs, category=category,
-                args={"correlation": ev.correlation_id()} if category == "Runtime" else {},
+                f"{base}_{count}" if count else base, op, start, dur, tid, scope, phase, shapes, dtypes,
+                None, category, args,
             )
         )
 
