@@ -131,3 +131,11 @@ def test_resume_continues_from_the_optimizer_iterations(tmp_dir):
     second.hook.load_state_dict(first.hook.state_dict())
     fit(m, [second], epochs=1)  # global steps 7..12
     assert timeline_steps(tmp_dir) == [4, 8, 12]
+
+
+def test_output_dir_that_cannot_be_created_fails_before_the_first_step(tmp_dir):
+    hook = RecordingHook()
+    bad = core.ProfilerHook(save_steps=1, output_dir="/proc/hookprof-cannot-exist")
+    with pytest.raises(ValueError, match=r"output_dir=.*cannot write there"):
+        fit(model(), [HookCallback([bad, hook])], epochs=1)
+    assert "before_run" not in hook.names()
