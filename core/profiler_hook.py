@@ -61,7 +61,9 @@ class ProfilerHook(SessionRunHook):
         self.ranks = _check_ranks(owner, ranks)
         self._timer = SecondOrStepTimer(every_secs=save_secs, every_steps=save_steps, clock=clock)
         self._writer = ChromeTraceWriter(show_dataflow=show_dataflow, show_memory=show_memory)
-        self._options = RunOptions(trace_level=TraceLevel.FULL_TRACE, record_memory=show_memory)
+        self._options = RunOptions(
+            trace_level=TraceLevel.FULL_TRACE, record_dataflow=show_dataflow, record_memory=show_memory
+        )
         self._request = False
         self._writes_here = True
         self.saved_paths: list[str] = []

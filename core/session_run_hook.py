@@ -25,8 +25,9 @@ class TraceLevel(enum.IntEnum):
 class RunOptions:
     """Per-step options a hook requests through `SessionRunArgs(options=...)`.
 
-    `trace_level` is TF's; `record_memory` and `with_stack` are this project's extensions (what TF implied
-    by FULL_TRACE plus `show_memory`): the tracer records allocations and Python stacks when any hook asks.
+    `trace_level` is TF's; `record_dataflow`, `record_memory` and `with_stack` are this project's extensions
+    (what TF implied by FULL_TRACE plus `show_dataflow`/`show_memory`): the tracer records tensor identities,
+    allocations and Python stacks when any hook asks.
     """
 
     NO_TRACE = TraceLevel.NO_TRACE
@@ -35,12 +36,14 @@ class RunOptions:
     FULL_TRACE = TraceLevel.FULL_TRACE
 
     trace_level: TraceLevel = TraceLevel.NO_TRACE
+    record_dataflow: bool = False
     record_memory: bool = False
     with_stack: bool = False
 
     def merge(self, other: RunOptions) -> None:
         """Fold another hook's request into this one: the higher trace level and every extra wins."""
         self.trace_level = TraceLevel(max(self.trace_level, other.trace_level))
+        self.record_dataflow = self.record_dataflow or other.record_dataflow
         self.record_memory = self.record_memory or other.record_memory
         self.with_stack = self.with_stack or other.with_stack
 

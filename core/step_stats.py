@@ -112,11 +112,12 @@ class DeviceStepStats:
 
 @dataclasses.dataclass(slots=True)
 class StepStats:
-    """One traced step: the devices, the global step it belongs to, and where it came from."""
+    """One traced step: the devices, the global step it belongs to, where it came from, and its dataflow."""
 
     dev_stats: list[DeviceStepStats] = dataclasses.field(default_factory=list)
     step: int | None = None
     metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
+    edges: list[Any] = dataclasses.field(default_factory=list)  # core.dataflow.DataEdge, producer -> consumer
 
     def device(self, name: str) -> DeviceStepStats:
         """The stats of device `name`, created empty on first use."""

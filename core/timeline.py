@@ -55,6 +55,7 @@ class ChromeTraceWriter:
                 yield _op_event(node, pid, base)
         if self.show_dataflow:
             yield from _launch_flows(stats, base)
+            yield from _tensor_flows(stats, base)
 
     def write(self, stats: StepStats, path: str, metadata: dict[str, Any] | None = None) -> int:
         """Write `stats` to `path` (atomically); return the number of trace events written."""
@@ -121,6 +122,22 @@ def _launch_flows(stats: StepStats, base: int) -> Iterable[dict[str, Any]]:
                "tid": lnode.thread_id, "ts": (lnode.start_ns - base) / 1000}
         yield {"ph": "t", "cat": "DataFlow", "name": "launch", "id": flow_id, "pid": pid, "bp": "e",
                "tid": kernel.thread_id, "ts": (kernel.start_ns - base) / 1000}
+
+
+def _tensor_flows(stats: StepStats, base: int) -> Iterable[dict[str, Any]]:
+    """TF's dataflow arrows: for each producer -> consumer edge, `s` at the producer's end, `t` at the
+    consumer's start (binding to the enclosing slice), named after the tensor."""
+    if not stats.edges:
+        return
+    pids = {id(node): pid for pid, dev in enumerate(stats.dev_stats) for node in dev.node_stats}
+    for flow_id, edge in enumerate(stats.edges, start=1 << 32):  # above any kernel correlation id
+        producer, consumer, tensor = edge.producer, edge.consumer, edge.tensor
+        end_us = (producer.start_ns + producer.duration_ns - base) / 1000
+        args = {"dtype": tensor.dtype, "shape": list(tensor.shape), "bytes": tensor.nbytes}
+        yield {"ph": "s", "cat": "DataFlow", "name": edge.name, "id": flow_id, "pid": pids[id(producer)],
+               "tid": producer.thread_id, "ts": end_us - min(0.001, producer.duration_ns / 2000), "args": args}
+        yield {"ph": "t", "cat": "DataFlow", "name": edge.name, "id": flow_id, "pid": pids[id(consumer)],
+               "tid": consumer.thread_id, "ts": (consumer.start_ns - base) / 1000, "bp": "e", "args": args}
 
 
 def _chunks(events: Iterator[dict[str, Any]]) -> Iterator[list[dict[str, Any]]]:

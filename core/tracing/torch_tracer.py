@@ -15,7 +15,9 @@ from typing import Any
 
 from core.session_run_hook import RunOptions, TraceLevel
 from core.step_stats import NodeExecStats, StepStats
+from core.dataflow import find_edges
 from core.tracing.base import HOST_DEVICE, Tracer, TracerUnavailable
+from core.tracing.execution_trace import ExecutionTrace
 
 # Kineto prints "profiler_start"/"profiler_stop" lines on every start unless its log level is above USDT (5).
 # It reads the variable when the profiler first starts, so setting it at import of this module is in time.
@@ -109,6 +111,7 @@ class TorchTracer(Tracer):
         self._root = root
         self._prof: Any = None
         self._scopes: _ModuleScopes | None = None
+        self._execution_trace: ExecutionTrace | None = None
         self._options = RunOptions()
 
     def start(self, options: RunOptions) -> None:
@@ -130,27 +133,40 @@ class TorchTracer(Tracer):
             use_kineto=True,
         )
         scopes = _ModuleScopes(self._root)
-        prof.__enter__()
-        self._prof = prof
         try:
+            if options.record_dataflow:
+                self._execution_trace = ExecutionTrace()
+                self._execution_trace.start()
+            prof.__enter__()
+            self._prof = prof
             scopes.install()
+            self._scopes = scopes
         except BaseException:
+            scopes.remove()
             self.abort()
             raise
-        self._scopes = scopes
 
     def _close(self) -> Any:
         prof, self._prof = self._prof, None
         scopes, self._scopes = self._scopes, None
         if scopes is not None:
             scopes.remove()
-        if prof is None:
-            return None
-        prof.__exit__(None, None, None)
-        return prof.kineto_results
+        try:
+            if prof is None:
+                return None
+            prof.__exit__(None, None, None)
+            return prof.kineto_results
+        finally:
+            if self._execution_trace is not None:
+                self._execution_trace.stop()
 
     def abort(self) -> None:
-        self._close()
+        try:
+            self._close()
+        finally:
+            trace, self._execution_trace = self._execution_trace, None
+            if trace is not None:
+                trace.discard()
 
     def stop(self) -> StepStats:
         results = self._close()
@@ -158,16 +174,21 @@ class TorchTracer(Tracer):
         if results is None:
             return stats
         stats.metadata["trace_start_ns"] = results.trace_start_ns()
-        _convert(results.events(), stats)
+        execution_trace, self._execution_trace = self._execution_trace, None
+        by_rf_id = _convert(results.events(), stats, want_ids=execution_trace is not None)
+        if execution_trace is not None:
+            stats.edges = find_edges(execution_trace.read(by_rf_id, _TORCH_DTYPES))
         return stats
 
 
-def _convert(events: list, stats: StepStats) -> None:
+def _convert(events: list, stats: StepStats, want_ids: bool = False) -> dict[int, NodeExecStats]:
     """Turn kineto events into NodeExecStats: scopes from module spans, phases from autograd and optimizer.
 
     Each pybind accessor costs about a microsecond and `shapes()` + `dtypes()` about eight, so every field
-    is read once, and only for the events that need it.
+    is read once, and only for the events that need it. With `want_ids`, returns the op nodes by their
+    record-function id (the execution trace's link to them).
     """
+    by_rf_id: dict[int, NodeExecStats] = {}
     host = stats.device(HOST_DEVICE)
     rows = []
     for ev in events:
@@ -240,12 +261,14 @@ def _convert(events: list, stats: StepStats) -> None:
         base = scope if category == "Module" else (f"{scope}/{op}" if scope else op)
         count = name_counts.get(base, 0)
         name_counts[base] = count + 1
-        nodes.append(
-            NodeExecStats(
-                f"{base}_{count}" if count else base, op, start, dur, tid, scope, phase, shapes, dtypes,
-                None, category, args,
-            )
+        node = NodeExecStats(
+            f"{base}_{count}" if count else base, op, start, dur, tid, scope, phase, shapes, dtypes,
+            None, category, args,
         )
+        nodes.append(node)
+        if want_ids and activity == "cpu_op":
+            by_rf_id[ev.external_id()] = node
+    return by_rf_id
 
 
 def _add_kernel(ev: Any, activity: str, stats: StepStats) -> None:
