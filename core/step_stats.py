@@ -111,6 +111,30 @@ class DeviceStepStats:
 
 
 @dataclasses.dataclass(slots=True)
+class TensorAllocation:
+    """One allocation the step made: its bytes on `device`, when it was made and freed (None: outlived the
+    step), the op that made it, and the tensor it held (dtype and shape, where an op read it)."""
+
+    allocation_id: int
+    device: str
+    nbytes: int
+    alloc_ns: int
+    free_ns: int | None = None
+    producer: NodeExecStats | None = None
+    tensor: TensorDescription | None = None
+
+
+@dataclasses.dataclass(slots=True)
+class AllocatorSample:
+    """The allocator's totals on `device` right after an allocation or free, as torch reported them."""
+
+    device: str
+    ts_ns: int
+    total_allocated: int
+    total_reserved: int
+
+
+@dataclasses.dataclass(slots=True)
 class StepStats:
     """One traced step: the devices, the global step it belongs to, where it came from, and its dataflow."""
 
@@ -118,6 +142,16 @@ class StepStats:
     step: int | None = None
     metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
     edges: list[Any] = dataclasses.field(default_factory=list)  # core.dataflow.DataEdge, producer -> consumer
+    allocations: list[TensorAllocation] = dataclasses.field(default_factory=list)
+    memory_samples: list[AllocatorSample] = dataclasses.field(default_factory=list)
+
+    def peak_allocated(self) -> dict[str, int]:
+        """The highest bytes in use per device during the step, from the allocator's samples."""
+        peaks: dict[str, int] = {}
+        for sample in self.memory_samples:
+            if sample.total_allocated > peaks.get(sample.device, -1):
+                peaks[sample.device] = sample.total_allocated
+        return peaks
 
     def device(self, name: str) -> DeviceStepStats:
         """The stats of device `name`, created empty on first use."""

@@ -56,6 +56,8 @@ class ChromeTraceWriter:
         if self.show_dataflow:
             yield from _launch_flows(stats, base)
             yield from _tensor_flows(stats, base)
+        if self.show_memory:
+            yield from _memory_events(stats, base)
 
     def write(self, stats: StepStats, path: str, metadata: dict[str, Any] | None = None) -> int:
         """Write `stats` to `path` (atomically); return the number of trace events written."""
@@ -69,10 +71,13 @@ class ChromeTraceWriter:
                 f.write(orjson.dumps(chunk)[1:-1])
                 first = False
                 count += len(chunk)
+            extra: dict[str, Any] = {"step": stats.step, "events": count}
+            if self.show_memory and stats.memory_samples:
+                extra["peak_allocated_bytes"] = stats.peak_allocated()
             tail = {
                 "displayTimeUnit": "ms",
                 "baseTimeNanoseconds": stats.start_ns() or 0,
-                "metadata": {**stats.metadata, **(metadata or {}), "step": stats.step, "events": count},
+                "metadata": {**stats.metadata, **(metadata or {}), **extra},
             }
             f.write(b"]," + orjson.dumps(tail, default=str)[1:])
         return count
@@ -138,6 +143,41 @@ def _tensor_flows(stats: StepStats, base: int) -> Iterable[dict[str, Any]]:
                "tid": producer.thread_id, "ts": end_us - min(0.001, producer.duration_ns / 2000), "args": args}
         yield {"ph": "t", "cat": "DataFlow", "name": edge.name, "id": flow_id, "pid": pids[id(consumer)],
                "tid": consumer.thread_id, "ts": (consumer.start_ns - base) / 1000, "bp": "e", "args": args}
+
+
+def _memory_events(stats: StepStats, base: int) -> Iterable[dict[str, Any]]:
+    """TF's show_memory: per device a "<device> Tensors" process with one object per allocation (`N` when
+    made, `O` snapshot of bytes/shape/dtype/producer, `D` when freed) and a `C` counter of the allocator's
+    bytes in use; the step's peak goes in the process label."""
+    if not stats.memory_samples and not stats.allocations:
+        return
+    devices = sorted({s.device for s in stats.memory_samples} | {a.device for a in stats.allocations})
+    first = len(stats.dev_stats)
+    pids = {device: first + i for i, device in enumerate(devices)}
+    peaks = stats.peak_allocated()
+    for device, pid in pids.items():
+        yield {"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": f"{device} Tensors"}}
+        yield {"ph": "M", "name": "process_sort_index", "pid": pid, "tid": 0, "args": {"sort_index": pid}}
+        yield {"ph": "M", "name": "process_labels", "pid": pid, "tid": 0,
+               "args": {"labels": f"peak allocated {peaks.get(device, 0)} B",
+                        "peak_allocated_bytes": peaks.get(device, 0)}}
+    for sample in stats.memory_samples:
+        yield {"ph": "C", "cat": "Memory", "name": "Allocator", "pid": pids[sample.device], "tid": 0,
+               "ts": (sample.ts_ns - base) / 1000,
+               "args": {"allocated": sample.total_allocated, "reserved": sample.total_reserved}}
+    for alloc in stats.allocations:
+        pid = pids[alloc.device]
+        name = alloc.producer.node_name if alloc.producer is not None else "tensor"
+        common = {"cat": "Tensor", "name": name, "id": alloc.allocation_id, "pid": pid, "tid": 0}
+        ts = (alloc.alloc_ns - base) / 1000
+        snapshot: dict[str, Any] = {"bytes": alloc.nbytes, "producer": name}
+        if alloc.tensor is not None:
+            snapshot["shape"] = list(alloc.tensor.shape)
+            snapshot["dtype"] = alloc.tensor.dtype
+        yield {"ph": "N", "ts": ts, **common}
+        yield {"ph": "O", "ts": ts, "args": {"snapshot": snapshot}, **common}
+        if alloc.free_ns is not None:
+            yield {"ph": "D", "ts": (alloc.free_ns - base) / 1000, **common}
 
 
 def _chunks(events: Iterator[dict[str, Any]]) -> Iterator[list[dict[str, Any]]]:

@@ -18,6 +18,7 @@ from core.step_stats import NodeExecStats, StepStats
 from core.dataflow import find_edges
 from core.tracing.base import HOST_DEVICE, Tracer, TracerUnavailable
 from core.tracing.execution_trace import ExecutionTrace
+from core.tracing.torch_memory import add_allocations
 
 # Kineto prints "profiler_start"/"profiler_stop" lines on every start unless its log level is above USDT (5).
 # It reads the variable when the profiler first starts, so setting it at import of this module is in time.
@@ -175,9 +176,12 @@ class TorchTracer(Tracer):
             return stats
         stats.metadata["trace_start_ns"] = results.trace_start_ns()
         execution_trace, self._execution_trace = self._execution_trace, None
-        by_rf_id = _convert(results.events(), stats, want_ids=execution_trace is not None)
+        want_ids = execution_trace is not None or self._options.record_memory
+        by_rf_id = _convert(results.events(), stats, want_ids=want_ids)
         if execution_trace is not None:
             stats.edges = find_edges(execution_trace.read(by_rf_id, _TORCH_DTYPES))
+        if self._options.record_memory:
+            add_allocations(results, stats, by_rf_id)
         return stats
 
 
