@@ -51,6 +51,7 @@ class Session:
     """
 
     framework = "unknown"
+    distributed_backend: str | None = None  # e.g. "gloo" or "nccl" when training is distributed
 
     def __init__(self, model: Any = None, rank: int = 0, world_size: int = 1) -> None:
         self.model = model

@@ -14,6 +14,8 @@ from core.timer import SecondOrStepTimer
 
 log = logging.getLogger(__name__)
 
+DEFAULT_MAX_EVENTS = 2_000_000  # what Perfetto's and Chrome's JSON importers load comfortably
+
 
 class ProfilerHook(SessionRunHook):
     """Captures CPU/GPU profiling information every N steps or seconds, as `timeline-<step>.json` files.
@@ -33,6 +35,10 @@ class ProfilerHook(SessionRunHook):
         show_memory: record allocations and add memory tracks (costs more per traced step).
         ranks: which distributed ranks write: None (all), an int, or a list of ints. File names carry the
             rank (`timeline-<step>-rank<r>.json`) when the world size is above 1, so they never collide.
+        compress: write `timeline-<step>.json.gz` (gzip level 1, ~10x smaller) instead of `.json`.
+        max_events: at most this many trace events per file (default 2,000,000, what Perfetto's and
+            Chrome's JSON importers handle comfortably); a larger step is cut short, its metadata says
+            `truncated`, and one warning is logged. None for no cap.
         clock: the seconds clock of the schedule (default `time.time`); injectable for tests.
 
     Example::
@@ -49,6 +55,8 @@ class ProfilerHook(SessionRunHook):
         show_dataflow: bool = True,
         show_memory: bool = False,
         ranks: int | Sequence[int] | None = None,
+        compress: bool = False,
+        max_events: int | None = DEFAULT_MAX_EVENTS,
         clock: Callable[[], float] = time.time,
     ) -> None:
         owner = type(self).__name__
@@ -59,8 +67,11 @@ class ProfilerHook(SessionRunHook):
         self.show_dataflow = arguments.check_bool(owner, "show_dataflow", show_dataflow)
         self.show_memory = arguments.check_bool(owner, "show_memory", show_memory)
         self.ranks = _check_ranks(owner, ranks)
+        self.compress = arguments.check_bool(owner, "compress", compress)
+        self.max_events = _check_max_events(owner, max_events)
         self._timer = SecondOrStepTimer(every_secs=save_secs, every_steps=save_steps, clock=clock)
-        self._writer = ChromeTraceWriter(show_dataflow=show_dataflow, show_memory=show_memory)
+        self._writer = ChromeTraceWriter(show_dataflow=show_dataflow, show_memory=show_memory,
+                                         compress=compress, max_events=max_events)
         self._options = RunOptions(
             trace_level=TraceLevel.FULL_TRACE, record_dataflow=show_dataflow, record_memory=show_memory
         )
@@ -106,8 +117,9 @@ class ProfilerHook(SessionRunHook):
 
     def timeline_path(self, step: int, rank: int = 0, world_size: int = 1) -> str:
         """The file a traced `step` is written to."""
-        suffix = f"-rank{rank}" if world_size > 1 else ""
-        return os.path.join(self.output_dir or "", f"timeline-{int(step)}{suffix}.json")
+        suffix = f"-rank{int(rank)}" if world_size > 1 else ""
+        extension = ".json.gz" if self.compress else ".json"
+        return os.path.join(self.output_dir or "", f"timeline-{int(step)}{suffix}{extension}")
 
     def _save(self, step: int, run_metadata: Any, session: Any) -> None:
         stats = run_metadata.step_stats
@@ -115,13 +127,14 @@ class ProfilerHook(SessionRunHook):
             return
         path = self.timeline_path(step, getattr(session, "rank", 0), getattr(session, "world_size", 1))
         log.info("Saving timeline for %d into '%s'.", step, path)
-        metadata = {
-            "framework": getattr(session, "framework", "unknown"),
-            "rank": getattr(session, "rank", 0),
-            "world_size": getattr(session, "world_size", 1),
-        }
+        rank, world_size = getattr(session, "rank", 0), getattr(session, "world_size", 1)
+        metadata = {"framework": getattr(session, "framework", "unknown"), "rank": rank, "world_size": world_size}
+        distributed = {"rank": rank, "world_size": world_size}
+        backend = getattr(session, "distributed_backend", None)
+        if backend:
+            distributed["backend"] = backend
         try:
-            self._writer.write(stats, path, metadata)
+            result = self._writer.write(stats, path, metadata, distributed)
         except Exception as err:  # a full disk, or a bug of ours, must not end the training run
             self.dropped_outputs += 1
             reason = (err.strerror or str(err)) if isinstance(err, OSError) else type(err).__name__
@@ -130,6 +143,10 @@ class ProfilerHook(SessionRunHook):
                 log.warning("Could not write timeline %s (%s); training goes on without it.", path, reason,
                             exc_info=not isinstance(err, OSError))
             return
+        if result.truncated and "truncated" not in self._warned:
+            self._warned.add("truncated")
+            log.warning("Timeline %s was cut at max_events=%d events; raise max_events to keep whole steps.",
+                        path, self.max_events)
         self.saved_paths.append(path)
 
     def state_dict(self) -> dict[str, Any]:
@@ -138,6 +155,14 @@ class ProfilerHook(SessionRunHook):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._timer.load_state_dict(state.get("timer", {}))
+
+
+def _check_max_events(owner: str, max_events: Any) -> int | None:
+    if max_events is None:
+        return None
+    if isinstance(max_events, bool) or not isinstance(max_events, int) or max_events < 1:
+        raise ValueError(f"`{owner}(max_events={max_events!r})`: `max_events` must be an int >= 1, or None.")
+    return max_events
 
 
 def _check_ranks(owner: str, ranks: Any) -> frozenset[int] | None:

@@ -8,11 +8,14 @@ readable by Perfetto (ui.perfetto.dev) and chrome://tracing. Layout, as TF's `ti
   `args` holding the node name, op, module scope, phase and, per argument position, `input_shapes`,
   `input_dtypes` and `input_bytes` (None for non-tensor arguments);
 - times in microseconds from the step's first event (`baseTimeNanoseconds` gives the absolute start).
-Events are serialised by orjson in chunks and streamed to a temp file that is renamed into place.
+Events are serialised by orjson in chunks and streamed (optionally through gzip) to a temp file that is
+renamed into place; a cap on the number of events cuts a huge step short and says so in the metadata.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import gzip
 import logging
 from typing import Any, Iterable, Iterator
 
@@ -26,25 +29,72 @@ log = logging.getLogger(__name__)
 _CHUNK = 4096
 
 
+@dataclasses.dataclass
+class WriteResult:
+    """What a write did: events written, and whether the cap cut the trace short."""
+
+    events: int
+    truncated: bool
+
+
+def write_trace(path: str, events: Iterator[dict[str, Any]], tail: dict[str, Any], compress: bool = False,
+                max_events: int | None = None) -> WriteResult:
+    """Stream `events` into `path` as `{"traceEvents": [...], **tail}`, atomically, gzip-compressed if asked.
+
+    At most `max_events` events are written; past that the rest is dropped and `tail["metadata"]` records
+    `truncated: true`. The file appears only when complete (temp file + rename), never half-written.
+    """
+    count = 0
+    truncated = False
+    with atomic_write(path) as raw:
+        out: Any = gzip.GzipFile(fileobj=raw, mode="wb", compresslevel=1, mtime=0) if compress else raw
+        try:
+            out.write(b'{"traceEvents":[')
+            for chunk in _chunks(events):
+                if max_events is not None and count + len(chunk) > max_events:
+                    chunk = chunk[: max_events - count]
+                    truncated = True
+                if chunk:
+                    if count:
+                        out.write(b",")
+                    out.write(orjson.dumps(chunk)[1:-1])
+                    count += len(chunk)
+                if truncated:
+                    break
+            metadata = {**tail.get("metadata", {}), "events": count}
+            if truncated:
+                metadata.update(truncated=True, max_events=max_events)
+            out.write(b"]," + orjson.dumps({**tail, "metadata": metadata}, default=str)[1:])
+        finally:
+            if out is not raw:
+                out.close()
+    return WriteResult(count, truncated)
+
+
 class ChromeTraceWriter:
     """Writes one step's stats as a Chrome trace.
 
     Args:
-        show_dataflow: add flow arrows between related events (kernel launches to kernels so far;
-            tensor producer -> consumer arrows need tensor identities from the tracer).
-        show_memory: add tensor and allocator memory tracks (needs memory recorded by the tracer).
+        show_dataflow: flow arrows from each tensor's producer to its consumers (and kernel launches to
+            kernels).
+        show_memory: tensor objects and allocator counters (needs memory recorded by the tracer).
+        compress: gzip the file (level 1: fast, and about 10x smaller for traces).
+        max_events: stop adding events after this many; the trace's metadata says it was truncated.
     """
 
-    def __init__(self, show_dataflow: bool = True, show_memory: bool = False) -> None:
+    def __init__(self, show_dataflow: bool = True, show_memory: bool = False, compress: bool = False,
+                 max_events: int | None = None) -> None:
         self.show_dataflow = show_dataflow
         self.show_memory = show_memory
+        self.compress = compress
+        self.max_events = max_events
 
-    def events(self, stats: StepStats) -> Iterator[dict[str, Any]]:
-        """The trace events of `stats`: metadata first, then each device's op events."""
+    def events(self, stats: StepStats, process_prefix: str = "") -> Iterator[dict[str, Any]]:
+        """The trace events of `stats`: metadata first, then ops, flows and memory."""
         base = stats.start_ns() or 0
         for pid, dev in enumerate(stats.dev_stats):
             yield {"ph": "M", "name": "process_name", "pid": pid, "tid": 0,
-                   "args": {"name": f"{dev.device} Compute"}}
+                   "args": {"name": f"{process_prefix}{dev.device} Compute"}}
             yield {"ph": "M", "name": "process_sort_index", "pid": pid, "tid": 0, "args": {"sort_index": pid}}
             for order, (tid, name) in enumerate(sorted(dev.thread_names.items())):
                 yield {"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": name}}
@@ -57,30 +107,26 @@ class ChromeTraceWriter:
             yield from _launch_flows(stats, base)
             yield from _tensor_flows(stats, base)
         if self.show_memory:
-            yield from _memory_events(stats, base)
+            yield from _memory_events(stats, base, process_prefix)
 
-    def write(self, stats: StepStats, path: str, metadata: dict[str, Any] | None = None) -> int:
-        """Write `stats` to `path` (atomically); return the number of trace events written."""
-        count = 0
-        with atomic_write(path) as f:
-            f.write(b'{"traceEvents":[')
-            first = True
-            for chunk in _chunks(self.events(stats)):
-                if not first:
-                    f.write(b",")
-                f.write(orjson.dumps(chunk)[1:-1])
-                first = False
-                count += len(chunk)
-            extra: dict[str, Any] = {"step": stats.step, "events": count}
-            if self.show_memory and stats.memory_samples:
-                extra["peak_allocated_bytes"] = stats.peak_allocated()
-            tail = {
-                "displayTimeUnit": "ms",
-                "baseTimeNanoseconds": stats.start_ns() or 0,
-                "metadata": {**stats.metadata, **(metadata or {}), **extra},
-            }
-            f.write(b"]," + orjson.dumps(tail, default=str)[1:])
-        return count
+    def write(self, stats: StepStats, path: str, metadata: dict[str, Any] | None = None,
+              distributed: dict[str, Any] | None = None) -> WriteResult:
+        """Write `stats` to `path` (atomically). `distributed` (rank, world_size, backend) is recorded as
+        the trace's `distributedInfo`, as kineto does, and prefixes process names with the rank."""
+        extra: dict[str, Any] = {"step": stats.step}
+        if self.show_memory and stats.memory_samples:
+            extra["peak_allocated_bytes"] = stats.peak_allocated()
+        tail: dict[str, Any] = {
+            "displayTimeUnit": "ms",
+            "baseTimeNanoseconds": stats.start_ns() or 0,
+            "metadata": {**stats.metadata, **(metadata or {}), **extra},
+        }
+        prefix = ""
+        if distributed:
+            tail["distributedInfo"] = distributed
+            if distributed.get("world_size", 1) > 1:
+                prefix = f"[rank {distributed.get('rank', 0)}] "
+        return write_trace(path, self.events(stats, prefix), tail, self.compress, self.max_events)
 
 
 def _op_event(node: NodeExecStats, pid: int, base: int) -> dict[str, Any]:
@@ -145,7 +191,7 @@ def _tensor_flows(stats: StepStats, base: int) -> Iterable[dict[str, Any]]:
                "tid": consumer.thread_id, "ts": (consumer.start_ns - base) / 1000, "bp": "e", "args": args}
 
 
-def _memory_events(stats: StepStats, base: int) -> Iterable[dict[str, Any]]:
+def _memory_events(stats: StepStats, base: int, process_prefix: str = "") -> Iterable[dict[str, Any]]:
     """TF's show_memory: per device a "<device> Tensors" process with one object per allocation (`N` when
     made, `O` snapshot of bytes/shape/dtype/producer, `D` when freed) and a `C` counter of the allocator's
     bytes in use; the step's peak goes in the process label."""
@@ -156,7 +202,8 @@ def _memory_events(stats: StepStats, base: int) -> Iterable[dict[str, Any]]:
     pids = {device: first + i for i, device in enumerate(devices)}
     peaks = stats.peak_allocated()
     for device, pid in pids.items():
-        yield {"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": f"{device} Tensors"}}
+        yield {"ph": "M", "name": "process_name", "pid": pid, "tid": 0,
+               "args": {"name": f"{process_prefix}{device} Tensors"}}
         yield {"ph": "M", "name": "process_sort_index", "pid": pid, "tid": 0, "args": {"sort_index": pid}}
         yield {"ph": "M", "name": "process_labels", "pid": pid, "tid": 0,
                "args": {"labels": f"peak allocated {peaks.get(device, 0)} B",

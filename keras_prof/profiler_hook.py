@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+from core.profiler_hook import DEFAULT_MAX_EVENTS
 from core.profiler_hook import ProfilerHook as CoreProfilerHook
 from keras_prof.hook_callback import HookCallback
 
@@ -13,7 +14,7 @@ class ProfilerHook(HookCallback):
 
     Arguments and semantics are `core.ProfilerHook`'s (TF1's); `output_dir` defaults to the current
     directory, as in TF. On the torch backend the timeline holds every op of the step; on other backends
-    only the step's phases.
+    only the step's phases. `compress=True` writes `.json.gz`; `max_events` caps a timeline's size.
 
     Example::
 
@@ -27,8 +28,11 @@ class ProfilerHook(HookCallback):
         output_dir: str | os.PathLike = "",
         show_dataflow: bool = True,
         show_memory: bool = False,
+        compress: bool = False,
+        max_events: int | None = DEFAULT_MAX_EVENTS,
     ) -> None:
-        self.hook = CoreProfilerHook(save_steps, save_secs, output_dir, show_dataflow, show_memory)
+        self.hook = CoreProfilerHook(save_steps, save_secs, output_dir, show_dataflow, show_memory,
+                                     compress=compress, max_events=max_events)
         super().__init__([self.hook])
 
     @property

@@ -30,6 +30,7 @@ class LightningSession(Session):
     def __init__(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().__init__(model=pl_module, rank=trainer.global_rank, world_size=trainer.world_size)
         self.trainer = trainer
+        self.distributed_backend = getattr(trainer.strategy, "process_group_backend", None)
 
     @property
     def global_step(self) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from lightning_prof.hook_callback import HookCallback
+from core.profiler_hook import DEFAULT_MAX_EVENTS
 from core.profiler_hook import ProfilerHook as CoreProfilerHook
 
 
@@ -21,6 +22,8 @@ class ProfilerHook(HookCallback):
         show_dataflow: flow arrows between producers and consumers.
         show_memory: record allocations and add memory tracks.
         ranks: the ranks that write: None for all, a rank, or a list of ranks.
+        compress: write `.json.gz` files instead of `.json`.
+        max_events: cap on events per timeline (None: no cap); a cut trace says so in its metadata.
 
     Example::
 
@@ -36,8 +39,11 @@ class ProfilerHook(HookCallback):
         show_dataflow: bool = True,
         show_memory: bool = False,
         ranks: int | list[int] | None = None,
+        compress: bool = False,
+        max_events: int | None = DEFAULT_MAX_EVENTS,
     ) -> None:
-        self.hook = CoreProfilerHook(save_steps, save_secs, output_dir, show_dataflow, show_memory, ranks)
+        self.hook = CoreProfilerHook(save_steps, save_secs, output_dir, show_dataflow, show_memory, ranks,
+                                     compress, max_events)
         super().__init__([self.hook])
 
     @property

@@ -29,6 +29,9 @@ PROFILER_HOOKS = [core.ProfilerHook, lightning_prof.ProfilerHook, keras_prof.Pro
     ({"save_steps": 1, "show_memory": 1}, TypeError, r"`show_memory` must be True or False"),
     ({"save_steps": 1, "output_dir": 3}, TypeError, r"`output_dir` must be a path"),
     ({"save_steps": 1, "output_dir": b"x"}, TypeError, r"`output_dir` must be a path"),
+    ({"save_steps": 1, "compress": "gzip"}, TypeError, r"`compress` must be True or False"),
+    ({"save_steps": 1, "max_events": 0}, ValueError, r"`max_events` must be an int >= 1, or None"),
+    ({"save_steps": 1, "max_events": 1.5}, ValueError, r"`max_events` must be an int >= 1, or None"),
 ])
 def test_bad_arguments_name_the_argument(cls, kwargs, error, pattern):
     with pytest.raises(error, match=pattern) as info:

@@ -199,3 +199,19 @@ def test_a_timeline_that_cannot_be_written_is_dropped_once_and_training_goes_on(
     assert not [n for n in os.listdir(tmp_dir) if n.endswith(".tmp")]
     dropped = [r for r in caplog.records if "Could not write timeline" in r.getMessage()]
     assert len(dropped) == 1 and "timeline-2.json" in dropped[0].getMessage()
+
+
+def test_compressed_timelines_and_the_cap_warning_once(tmp_dir, caplog):
+    import gzip
+    import json
+
+    hook = ProfilerHook(save_steps=2, output_dir=tmp_dir, compress=True, max_events=50)
+    trainer(tmp_dir, [hook], 6).fit(TinyModel(), loader())
+    assert [os.path.basename(p) for p in hook.saved_paths] == ["timeline-2.json.gz", "timeline-4.json.gz",
+                                                               "timeline-6.json.gz"]
+    for path in hook.saved_paths:
+        with gzip.open(path, "rb") as f:
+            trace = json.load(f)
+        assert len(trace["traceEvents"]) == 50 and trace["metadata"]["truncated"] is True
+        assert trace["distributedInfo"] == {"rank": 0, "world_size": 1}
+    assert len([r for r in caplog.records if "was cut at max_events=50" in r.getMessage()]) == 1

@@ -25,7 +25,7 @@ def make_stats(n_ops: int, bad_at: int | None = None) -> StepStats:
 
 def test_trace_format_metadata_and_times(tmp_path):
     path = str(tmp_path / "timeline-7.json")
-    count = ChromeTraceWriter().write(make_stats(10_000), path, {"framework": "test"})
+    count = ChromeTraceWriter().write(make_stats(10_000), path, {"framework": "test"}).events
     trace = json.load(open(path))
     events = trace["traceEvents"]
     assert count == len(events) == 4 + 10_000  # process name + sort index, thread name + sort index
@@ -82,3 +82,35 @@ def test_kernel_launch_arrows_join_runtime_launch_to_kernel(tmp_path):
     assert [(e["ph"], e["pid"], e["tid"], e["ts"], e["id"]) for e in flows] == [("s", 0, 1, 0, 42), ("t", 1, 7, 20, 42)]
     ChromeTraceWriter(show_dataflow=False).write(stats, path)
     assert not [e for e in json.load(open(path))["traceEvents"] if e["ph"] in "st"]
+
+
+def test_gzip_round_trip_is_the_same_trace_and_much_smaller(tmp_path):
+    import gzip
+
+    stats = make_stats(20_000)
+    plain, packed = str(tmp_path / "t.json"), str(tmp_path / "t.json.gz")
+    ChromeTraceWriter().write(stats, plain)
+    ChromeTraceWriter(compress=True).write(stats, packed)
+    with gzip.open(packed, "rb") as f:
+        assert json.load(f) == json.load(open(plain))
+    assert os.path.getsize(plain) > 8 * os.path.getsize(packed)
+
+
+def test_cap_truncates_keeps_metadata_first_and_says_so(tmp_path):
+    path = str(tmp_path / "t.json")
+    result = ChromeTraceWriter(max_events=5_000).write(make_stats(10_000), path)
+    trace = json.load(open(path))
+    assert result.truncated and result.events == 5_000 == len(trace["traceEvents"])
+    assert trace["metadata"]["truncated"] is True and trace["metadata"]["max_events"] == 5_000
+    assert [e["ph"] for e in trace["traceEvents"][:4]] == ["M"] * 4
+    whole = ChromeTraceWriter(max_events=10_004).write(make_stats(10_000), path)
+    assert not whole.truncated and "truncated" not in json.load(open(path))["metadata"]
+
+
+def test_distributed_info_and_rank_in_process_names(tmp_path):
+    path = str(tmp_path / "t.json")
+    ChromeTraceWriter().write(make_stats(2), path, distributed={"rank": 1, "world_size": 2, "backend": "gloo"})
+    trace = json.load(open(path))
+    assert trace["distributedInfo"] == {"rank": 1, "world_size": 2, "backend": "gloo"}
+    names = [e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"]
+    assert names == ["[rank 1] /host:CPU Compute"]
