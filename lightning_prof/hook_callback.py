@@ -150,5 +150,6 @@ class HookCallback(Callback):
 
 
 def _hook_key(hook: SessionRunHook) -> tuple:
-    """What tells two hooks apart in a checkpoint: their class and schedule."""
-    return (type(hook).__qualname__, getattr(hook, "save_steps", None), getattr(hook, "save_secs", None))
+    """What tells two hooks apart in a checkpoint: their class, schedule and where they write."""
+    return tuple([type(hook).__qualname__] + [getattr(hook, a, None) for a in
+                                              ("save_steps", "save_secs", "output_dir", "ranks")])

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 
 os.environ.setdefault("KERAS_BACKEND", "torch")  # before anything imports keras
@@ -10,6 +9,7 @@ os.environ.setdefault("KERAS_BACKEND", "torch")  # before anything imports keras
 import pytest
 
 from core import SessionRunArgs, SessionRunHook
+from core.trace_summary import load_trace  # noqa: F401  (tests read traces the way users' tools do)
 
 
 class RecordingHook(SessionRunHook):
@@ -58,11 +58,6 @@ class FakeClock:
 
     def __call__(self) -> float:
         return self.now
-
-
-def load_trace(path):
-    with open(path, "rb") as f:
-        return json.load(f)
 
 
 def op_events(trace, cat="Op"):
