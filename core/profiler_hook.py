@@ -39,6 +39,8 @@ class ProfilerHook(SessionRunHook):
         max_events: at most this many trace events per file (default 2,000,000, what Perfetto's and
             Chrome's JSON importers handle comfortably); a larger step is cut short, its metadata says
             `truncated`, and one warning is logged. None for no cap.
+        tensorboard: also write the traced step's graph and run metadata (tag `step_<N>`) to a TensorBoard
+            event file in `output_dir`, as TF did, for the Graphs dashboard (needs the tensorboard package).
         clock: the seconds clock of the schedule (default `time.time`); injectable for tests.
 
     Example::
@@ -57,6 +59,7 @@ class ProfilerHook(SessionRunHook):
         ranks: int | Sequence[int] | None = None,
         compress: bool = False,
         max_events: int | None = DEFAULT_MAX_EVENTS,
+        tensorboard: bool = True,
         clock: Callable[[], float] = time.time,
     ) -> None:
         owner = type(self).__name__
@@ -69,6 +72,7 @@ class ProfilerHook(SessionRunHook):
         self.ranks = _check_ranks(owner, ranks)
         self.compress = arguments.check_bool(owner, "compress", compress)
         self.max_events = _check_max_events(owner, max_events)
+        self.tensorboard = arguments.check_bool(owner, "tensorboard", tensorboard)
         self._timer = SecondOrStepTimer(every_secs=save_secs, every_steps=save_steps, clock=clock)
         self._writer = ChromeTraceWriter(show_dataflow=show_dataflow, show_memory=show_memory,
                                          compress=compress, max_events=max_events)
@@ -148,6 +152,35 @@ class ProfilerHook(SessionRunHook):
             log.warning("Timeline %s was cut at max_events=%d events; raise max_events to keep whole steps.",
                         path, self.max_events)
         self.saved_paths.append(path)
+        if self.tensorboard:
+            # ranks share the run directory: their tags must not collide
+            tag = f"step_{step}" if world_size == 1 else f"step_{step}_rank{rank}"
+            self._add_run_metadata(stats, tag, step)
+
+    def _add_run_metadata(self, stats: Any, tag: str, step: int) -> None:
+        """TF's `add_run_metadata(run_metadata, "step_N")`: the graph and stats for TensorBoard."""
+        try:
+            from core import tensorboard_graph
+            from core.event_writer import event_writer
+
+            tensorboard_graph.add_run_metadata(event_writer(self.output_dir), stats, tag, step)
+        except ImportError:
+            self._warn_once("no tensorboard", "The tensorboard package is not installed: timelines are written "
+                            "but not the step_N graphs; pip install tensorboard, or pass tensorboard=False.")
+        except Exception as err:  # TensorBoard output must not end the training run either
+            self.dropped_outputs += 1
+            self._warn_once(f"tb:{type(err).__name__}", "Could not write step_%d to TensorBoard (%s).", step, err)
+
+    def _warn_once(self, key: str, message: str, *args: Any) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning(message, *args)
+
+    def end(self, session: Any) -> None:
+        if self.tensorboard and self.output_dir:
+            from core.event_writer import flush_if_open
+
+            flush_if_open(self.output_dir)
 
     def state_dict(self) -> dict[str, Any]:
         """The schedule, so that a resumed run writes no duplicate and misses no timeline."""

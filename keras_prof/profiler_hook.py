@@ -14,7 +14,8 @@ class ProfilerHook(HookCallback):
 
     Arguments and semantics are `core.ProfilerHook`'s (TF1's); `output_dir` defaults to the current
     directory, as in TF. On the torch backend the timeline holds every op of the step; on other backends
-    only the step's phases. `compress=True` writes `.json.gz`; `max_events` caps a timeline's size.
+    only the step's phases. `compress=True` writes `.json.gz`; `max_events` caps a timeline's size;
+    `tensorboard=True` also writes each traced step's graph and `step_<N>` run metadata for TensorBoard.
 
     Example::
 
@@ -30,9 +31,10 @@ class ProfilerHook(HookCallback):
         show_memory: bool = False,
         compress: bool = False,
         max_events: int | None = DEFAULT_MAX_EVENTS,
+        tensorboard: bool = True,
     ) -> None:
         self.hook = CoreProfilerHook(save_steps, save_secs, output_dir, show_dataflow, show_memory,
-                                     compress=compress, max_events=max_events)
+                                     compress=compress, max_events=max_events, tensorboard=tensorboard)
         super().__init__([self.hook])
 
     @property

@@ -24,6 +24,8 @@ class ProfilerHook(HookCallback):
         ranks: the ranks that write: None for all, a rank, or a list of ranks.
         compress: write `.json.gz` files instead of `.json`.
         max_events: cap on events per timeline (None: no cap); a cut trace says so in its metadata.
+        tensorboard: write each traced step's graph and `step_<N>` run metadata for TensorBoard's Graphs
+            dashboard into `output_dir` (by default the logger's run directory, beside the scalars).
 
     Example::
 
@@ -41,9 +43,10 @@ class ProfilerHook(HookCallback):
         ranks: int | list[int] | None = None,
         compress: bool = False,
         max_events: int | None = DEFAULT_MAX_EVENTS,
+        tensorboard: bool = True,
     ) -> None:
         self.hook = CoreProfilerHook(save_steps, save_secs, output_dir, show_dataflow, show_memory, ranks,
-                                     compress, max_events)
+                                     compress, max_events, tensorboard)
         super().__init__([self.hook])
 
     @property

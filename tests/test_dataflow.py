@@ -95,3 +95,21 @@ def test_find_edges_rules_on_synthetic_ops():
     # addmm (not the inner copy_, not the outer linear) made y; the view forwards relu's z to add_;
     # "late" started on another thread while addmm was still writing y: no edge into it
     assert got == [("addmm", "relu"), ("relu", "t"), ("relu", "add_")]
+
+
+def test_every_traced_step_of_a_process_has_the_same_arrows(tmp_dir):
+    """The execution trace's ids drift from the profiler's after the first session: still linked."""
+    hook = ProfilerHook(save_steps=1, output_dir=tmp_dir, show_memory=True)
+    trainer(tmp_dir, [hook], 4).fit(TinyModel(), loader())
+    counts = []
+    for path in hook.saved_paths:
+        trace = load_trace(path)
+        flows = [e for e in trace["traceEvents"] if e["ph"] == "s"]
+        assert "TinyModel/fc1/aten::addmm:0" in {e["name"] for e in flows}, path
+        ops = {(e["pid"], e["tid"], e["ts"]): e for e in trace["traceEvents"] if e["ph"] == "X" and e["cat"] == "Op"}
+        updates = [e for e in trace["traceEvents"] if e["ph"] == "t"
+                   and ops.get((e["pid"], e["tid"], e["ts"]), {}).get("name") == "aten::add_"]
+        assert len(updates) >= 4, path  # each parameter's gradient reaches its update, in every step
+        counts.append(len(flows))
+    # the same step, traced three times: the same arrows, give or take an edge whose ends touch in time
+    assert len(counts) == 3 and min(counts) > 20 and max(counts) - min(counts) <= 2

@@ -40,7 +40,7 @@ def ddp_run(tmp_path_factory):
 
 
 def test_each_rank_writes_its_own_files(ddp_run):
-    names = sorted(os.listdir(ddp_run / "all"))
+    names = sorted(n for n in os.listdir(ddp_run / "all") if n.startswith("timeline-"))
     assert names == ["timeline-2-rank0.json", "timeline-2-rank1.json", "timeline-4-rank0.json",
                      "timeline-4-rank1.json"]
     for rank in (0, 1):
@@ -49,7 +49,16 @@ def test_each_rank_writes_its_own_files(ddp_run):
         process_names = [e["args"]["name"] for e in trace["traceEvents"] if e.get("name") == "process_name"]
         assert process_names and all(n.startswith(f"[rank {rank}] ") for n in process_names)
         assert any(e["name"] == "aten::addmm" for e in trace["traceEvents"] if e["ph"] == "X")
-    assert sorted(os.listdir(ddp_run / "rank0")) == ["timeline-2-rank0.json", "timeline-4-rank0.json"]
+    timelines = sorted(n for n in os.listdir(ddp_run / "rank0") if n.startswith("timeline-"))
+    assert timelines == ["timeline-2-rank0.json", "timeline-4-rank0.json"]
+
+
+def test_ranks_tag_their_tensorboard_run_metadata_apart(ddp_run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(ddp_run / "all"), size_guidance={"run_metadata": 0})
+    acc.Reload()
+    assert sorted(acc.Tags()["run_metadata"]) == ["step_2_rank0", "step_2_rank1", "step_4_rank0", "step_4_rank1"]
 
 
 def test_merge_command_holds_both_ranks(ddp_run, tmp_path):

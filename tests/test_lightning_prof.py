@@ -105,7 +105,7 @@ def test_exception_in_a_step_no_after_run_no_end_profiler_stopped_and_next_fit_t
     assert hook.names() == ["begin", "after_create_session"] + ["before_run", "after_run"] * 2 + ["before_run"]
     assert not torch._C._autograd._profiler_enabled()
     assert timeline_steps(prof_dir) == [2]  # step 3 was traced but failed: no file, no temp file
-    assert sorted(os.listdir(prof_dir)) == ["timeline-2.json"]
+    assert not [n for n in os.listdir(prof_dir) if n.endswith(".tmp")]
 
     again = ProfilerHook(save_steps=1, output_dir=os.path.join(tmp_dir, "again"))
     trainer(tmp_dir, [again], 3).fit(TinyModel(), loader())

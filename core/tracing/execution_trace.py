@@ -1,10 +1,14 @@
 """torch's execution-trace observer for one step: each op's input and output tensors by identity.
 
 The observer writes a JSON file of op nodes with their tensor arguments as
-`[tensor_id, storage_id, offset, numel, itemsize, device]` and the op's record-function id (`rf_id`), which
-equals the profiler event's `external_id()`. This module runs it around a traced step, reads the file back
-(orjson), and turns each node into `core.dataflow.OpData` keyed by the storage range the tensor covers, so
-views and `.grad` aliases of the same data are one datum. Whether an output is a view comes from the op's
+`[tensor_id, storage_id, offset, numel, itemsize, device]`, the thread (`tid`) and a record-function id
+(`rf_id`) that grows by one at every op's entry. The profiler's own event ids follow another counter (they
+agree only in a process's first session), so nodes are matched to profiler events by entry order: the k-th
+`aten::addmm` the observer saw on a thread is the k-th the profiler saw there. Where the two disagree on how
+many ops of a name ran on a thread, those ops are left out of the dataflow rather than guessed.
+This module runs the observer around a traced step, reads the file back (orjson), and turns each node into
+`core.dataflow.OpData` keyed by the storage range the tensor covers, so views and `.grad` aliases of the same
+data are one datum. Whether an output is a view comes from the op's
 schema: `Tensor(a)` aliases an input, `Tensor(a!)` writes it in place.
 """
 
@@ -71,19 +75,33 @@ class ExecutionTrace:
                 self._observer.stop()
                 self._observer.unregister_callback()
 
-    def read(self, nodes_by_rf_id: dict[int, NodeExecStats], dtype_names: dict[str, str]) -> list[OpData]:
-        """The recorded ops that match a profiler event, as OpData; removes the file."""
+    def read(self, nodes_in_order: dict[tuple[int, str], list[NodeExecStats]],
+             dtype_names: dict[str, str]) -> list[OpData]:
+        """The recorded ops matched to profiler events, as OpData; removes the file.
+
+        `nodes_in_order` lists the profiler's op nodes per (thread, op name) in the order they started.
+        """
         try:
             with open(self.path, "rb") as f:
                 trace = orjson.loads(f.read())
         finally:
             self.discard()
-        ops = []
+        by_key: dict[tuple[int, str], list[tuple[int, dict]]] = {}
         for et_node in trace.get("nodes", ()):
             rf_id = _attr(et_node, "rf_id")
-            node = nodes_by_rf_id.get(rf_id) if rf_id else None
-            if node is None:
+            if rf_id is not None:
+                by_key.setdefault((_attr(et_node, "tid"), et_node.get("name")), []).append((rf_id, et_node))
+        matched = []
+        for key, entries in by_key.items():
+            nodes = nodes_in_order.get(key, ())
+            if len(nodes) != len(entries):
+                log.debug("execution trace and profiler disagree on %s (%d vs %d): left out", key,
+                          len(entries), len(nodes))
                 continue
+            entries.sort(key=lambda entry: entry[0])
+            matched.extend(zip(nodes, (et_node for _, et_node in entries)))
+        ops = []
+        for node, et_node in matched:
             inputs = _tensors(et_node.get("inputs", {}), dtype_names)
             outputs = _tensors(et_node.get("outputs", {}), dtype_names)
             if not inputs and not outputs:

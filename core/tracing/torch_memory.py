@@ -27,7 +27,7 @@ def device_name(device: Any) -> str:
     return f"/device:{kind.upper()}:{index or 0}"
 
 
-def add_allocations(results: Any, stats: StepStats, nodes_by_rf_id: dict[int, NodeExecStats]) -> None:
+def add_allocations(results: Any, stats: StepStats, nodes_by_id: dict[int, NodeExecStats]) -> None:
     """Fill `stats.allocations` and `stats.memory_samples` from the profiler results of the step."""
     from torch._C._profiler import _EventType
 
@@ -56,7 +56,7 @@ def add_allocations(results: Any, stats: StepStats, nodes_by_rf_id: dict[int, No
             AllocatorSample(device, event.start_time_ns, fields.total_allocated, fields.total_reserved))
         if fields.alloc_size > 0:
             record = TensorAllocation(fields.allocation_id, device, fields.alloc_size, event.start_time_ns,
-                                      producer=_producer(event, nodes_by_rf_id))
+                                      producer=_producer(event, nodes_by_id))
             record.tensor = _whole_view(reads.get(fields.allocation_id, []), fields.alloc_size)
             stats.allocations.append(record)
             open_allocations[fields.allocation_id] = record
@@ -75,8 +75,8 @@ def _whole_view(reads: list[tuple[int, str, tuple]], nbytes: int) -> TensorDescr
     return None
 
 
-def _producer(event: Any, nodes_by_rf_id: dict[int, NodeExecStats]) -> NodeExecStats | None:
+def _producer(event: Any, nodes_by_id: dict[int, NodeExecStats]) -> NodeExecStats | None:
     parent = event.parent
     while parent is not None and parent.name.startswith(_ALLOCATING_PLUMBING) and parent.parent is not None:
         parent = parent.parent
-    return None if parent is None else nodes_by_rf_id.get(parent.correlation_id)
+    return None if parent is None else nodes_by_id.get(parent.correlation_id)

@@ -177,22 +177,25 @@ class TorchTracer(Tracer):
         stats.metadata["trace_start_ns"] = results.trace_start_ns()
         execution_trace, self._execution_trace = self._execution_trace, None
         want_ids = execution_trace is not None or self._options.record_memory
-        by_rf_id = _convert(results.events(), stats, want_ids=want_ids)
+        by_external_id, in_order = _convert(results.events(), stats, want_ids=want_ids)
         if execution_trace is not None:
-            stats.edges = find_edges(execution_trace.read(by_rf_id, _TORCH_DTYPES))
+            stats.edges = find_edges(execution_trace.read(in_order, _TORCH_DTYPES))
         if self._options.record_memory:
-            add_allocations(results, stats, by_rf_id)
+            add_allocations(results, stats, by_external_id)
         return stats
 
 
-def _convert(events: list, stats: StepStats, want_ids: bool = False) -> dict[int, NodeExecStats]:
+def _convert(events: list, stats: StepStats, want_ids: bool = False
+             ) -> tuple[dict[int, NodeExecStats], dict[tuple[int, str], list[NodeExecStats]]]:
     """Turn kineto events into NodeExecStats: scopes from module spans, phases from autograd and optimizer.
 
     Each pybind accessor costs about a microsecond and `shapes()` + `dtypes()` about eight, so every field
     is read once, and only for the events that need it. With `want_ids`, returns the op nodes by their
-    record-function id (the execution trace's link to them).
+    profiler id (the allocations' link to them) and per (thread, op name) in start order (the execution
+    trace's link to them).
     """
-    by_rf_id: dict[int, NodeExecStats] = {}
+    by_external_id: dict[int, NodeExecStats] = {}
+    in_order: dict[tuple[int, str], list[NodeExecStats]] = {}
     host = stats.device(HOST_DEVICE)
     rows = []
     for ev in events:
@@ -271,8 +274,9 @@ def _convert(events: list, stats: StepStats, want_ids: bool = False) -> dict[int
         )
         nodes.append(node)
         if want_ids and activity == "cpu_op":
-            by_rf_id[ev.external_id()] = node
-    return by_rf_id
+            by_external_id[ev.external_id()] = node
+            in_order.setdefault((tid, name), []).append(node)
+    return by_external_id, in_order
 
 
 def _add_kernel(ev: Any, activity: str, stats: StepStats) -> None:

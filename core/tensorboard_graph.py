@@ -1,0 +1,97 @@
+"""A traced step for TensorBoard's Graphs dashboard, as TF1's `add_run_metadata(run_metadata, "step_N")`.
+
+The step's ops become `NodeDef`s named by their module scope (so TensorBoard groups them into name scopes),
+its dataflow edges become node inputs with `_output_shapes`, and its stats become a `RunMetadata` whose
+`step_stats` carry each node's start, compute time and bytes, so picking "step_N" colours the graph by
+compute time or memory. Built with TensorBoard's protos and written with its event writer.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from core.step_stats import StepStats
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9_.\-/>]")
+_DTYPES = {  # tensorflow DataType enum values
+    "float32": 1, "float64": 2, "int32": 3, "uint8": 4, "int16": 5, "int8": 6, "complex64": 8, "int64": 9,
+    "bool": 10, "bfloat16": 14, "uint16": 17, "complex128": 18, "float16": 19, "uint32": 22, "uint64": 23,
+}
+
+
+def graph_name(node_name: str) -> str:
+    """A node name TensorBoard parses: `/` keeps the scopes, other punctuation becomes `_` or `.`."""
+    return _UNSAFE.sub("_", node_name.replace("::", "."))
+
+
+def _shape_proto(shape: tuple[int, ...]) -> Any:
+    from tensorboard.compat.proto.tensor_shape_pb2 import TensorShapeProto
+
+    return TensorShapeProto(dim=[TensorShapeProto.Dim(size=int(d)) for d in shape])
+
+
+def step_graph(stats: StepStats) -> Any:
+    """The step's dataflow graph: ops as nodes, tensors as edges, module scopes as name scopes."""
+    from tensorboard.compat.proto.attr_value_pb2 import AttrValue
+    from tensorboard.compat.proto.graph_pb2 import GraphDef
+    from tensorboard.compat.proto.node_def_pb2 import NodeDef
+
+    inputs: dict[int, list[str]] = {}
+    for edge in stats.edges:
+        slot = edge.name.rsplit(":", 1)[-1]
+        source = graph_name(edge.producer.node_name)
+        inputs.setdefault(id(edge.consumer), []).append(source if slot == "0" else f"{source}:{slot}")
+    graph = GraphDef()
+    for dev in stats.dev_stats:
+        for node in dev.node_stats:
+            if node.category != "Op":
+                continue
+            attrs = {"phase": AttrValue(s=node.phase.encode())}
+            if node.outputs:
+                attrs["_output_shapes"] = AttrValue(list=AttrValue.ListValue(
+                    shape=[_shape_proto(t.shape) for t in node.outputs]))
+            graph.node.append(NodeDef(name=graph_name(node.node_name), op=node.op, device=dev.device,
+                                      input=inputs.get(id(node), []), attr=attrs))
+    return graph
+
+
+def run_metadata(stats: StepStats) -> Any:
+    """TF's `RunMetadata` for the step: per-node start, compute time, outputs and bytes allocated."""
+    from tensorboard.compat.proto import allocation_description_pb2, tensor_description_pb2
+    from tensorboard.compat.proto.config_pb2 import RunMetadata
+
+    allocated: dict[int, int] = {}
+    for alloc in stats.allocations:
+        if alloc.producer is not None:
+            allocated[id(alloc.producer)] = allocated.get(id(alloc.producer), 0) + alloc.nbytes
+    meta = RunMetadata()
+    for dev in stats.dev_stats:
+        dev_proto = meta.step_stats.dev_stats.add(device=dev.device)
+        for node in dev.node_stats:
+            if node.category != "Op":
+                continue
+            micros = max(1, node.duration_ns // 1000)
+            proto = dev_proto.node_stats.add(
+                node_name=graph_name(node.node_name), all_start_micros=node.start_ns // 1000,
+                op_start_rel_micros=0, op_end_rel_micros=micros, all_end_rel_micros=micros,
+                timeline_label=node.op, thread_id=node.thread_id,
+            )
+            if id(node) in allocated:
+                proto.memory.add(allocator_name=dev.device, total_bytes=allocated[id(node)],
+                                 peak_bytes=allocated[id(node)])
+            for slot, tensor in enumerate(node.outputs or ()):
+                proto.output.add(slot=slot, tensor_description=tensor_description_pb2.TensorDescription(
+                    dtype=_DTYPES.get(tensor.dtype, 0), shape=_shape_proto(tensor.shape),
+                    allocation_description=allocation_description_pb2.AllocationDescription(
+                        requested_bytes=tensor.nbytes or 0, allocator_name=dev.device)))
+    return meta
+
+
+def add_run_metadata(writer: Any, stats: StepStats, tag: str, step: int) -> None:
+    """Write the step's graph and its tagged run metadata to `writer` (a `core.event_writer.EventWriter`)."""
+    from tensorboard.compat.proto.event_pb2 import Event, TaggedRunMetadata
+
+    writer.add_event(Event(step=step, graph_def=step_graph(stats).SerializeToString()))
+    writer.add_event(Event(step=step, tagged_run_metadata=TaggedRunMetadata(
+        tag=tag, run_metadata=run_metadata(stats).SerializeToString())))
