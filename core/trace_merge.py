@@ -50,7 +50,6 @@ def merge_timelines(paths: Sequence[str], output: str, compress: bool | None = N
     tail = {
         "displayTimeUnit": "ms",
         "baseTimeNanoseconds": base,
-        "distributedInfo": {"world_size": len(traces), "ranks": [r for r, _ in traces]},
         "metadata": {
             "merged_from": [os.path.basename(seen[r]) for r, _ in traces],
             "steps": sorted({t.get("metadata", {}).get("step") for _, t in traces}, key=str),
@@ -58,7 +57,8 @@ def merge_timelines(paths: Sequence[str], output: str, compress: bool | None = N
     }
     if compress is None:
         compress = output.endswith(".gz")
-    return write_trace(output, _merged_events(traces, base), tail, compress)
+    head = {"distributedInfo": {"world_size": len(traces), "ranks": [r for r, _ in traces]}}
+    return write_trace(output, _merged_events(traces, base), tail, compress, head=head)
 
 
 def _merged_events(traces: list[tuple[int, dict[str, Any]]], base: int) -> Iterator[dict[str, Any]]:

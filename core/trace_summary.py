@@ -25,7 +25,7 @@ def summarize(path: str) -> str:
             continue
         if event.get("cat") == "Op":
             phases[event.get("args", {}).get("phase", "?")] += 1
-        elif event.get("cat") == "Span" and event.get("name") == "train_step":
+        elif event.get("cat") == "Span" and event.get("args", {}).get("op") == "train_step":
             step_us = event["dur"]
     parts = ", ".join(f"{p} {n}" for p, n in sorted(phases.items()))
     step = f", step {step_us / 1000:.1f} ms" if step_us is not None else ""

@@ -32,4 +32,4 @@ def test_jax_backend_traces_phases_with_one_warning(tmp_path):
     assert done.stderr.count("the Keras backend is 'jax'") == 1, done.stderr  # two fits, one warning
     trace = json.load(open(result["paths"][0]))
     spans = [e["name"] for e in trace["traceEvents"] if e["ph"] == "X"]
-    assert spans == ["data_wait", "train_step"] and trace["metadata"]["tracer"] == "host"
+    assert spans == ["data_wait", "ProfilerStep#2"] and trace["metadata"]["tracer"] == "host"

@@ -64,7 +64,8 @@ def test_timeline_holds_forward_backward_and_optimizer_of_exactly_one_step(tmp_d
         assert by_phase["optimizer"], "the optimizer's update ops are in the trace"
         matmuls = [e for e in ops if e["args"]["phase"] == "forward" and e["name"] in ("aten::addmm", "aten::matmul", "aten::mm")]
         assert {e["args"]["scope"] for e in matmuls} == {"tiny/fc1", "tiny/fc2"}
-        span = next(e for e in op_events(trace, "Span") if e["name"] == "train_step")
+        span = next(e for e in op_events(trace, "Span") if e["args"]["op"] == "train_step")
+        assert span["name"] == f"ProfilerStep#{trace['metadata']['step']}"
         assert all(span["ts"] <= e["ts"] and e["ts"] + e["dur"] <= span["ts"] + span["dur"] + 1 for e in ops)
         assert trace["metadata"]["framework"] == "keras"
 

@@ -46,7 +46,8 @@ def test_timeline_holds_forward_backward_and_optimizer_of_exactly_one_step(tmp_d
         assert args["input_dtypes"] == ["float32", "float32", "float32", "Scalar", "Scalar"]
         assert args["input_bytes"] == [64, 256, 512, None, None]
         # nothing from another step: every op lies inside this step's train_step span
-        span = next(e for e in op_events(trace, "Span") if e["name"] == "train_step")
+        span = next(e for e in op_events(trace, "Span") if e["args"]["op"] == "train_step")
+        assert span["name"] == f"ProfilerStep#{trace['metadata']['step']}"
         ops = op_events(trace)
         assert all(span["ts"] <= e["ts"] and e["ts"] + e["dur"] <= span["ts"] + span["dur"] + 1 for e in ops)
         assert trace["metadata"]["step"] == int(os.path.basename(path)[9:-5])
