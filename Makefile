@@ -1,12 +1,13 @@
 # Two entry points, each creates the environment it needs:
 #   make demo   train on the bundled data with the hooks, print where the timelines are
 #   make test   run the test suite against real Lightning and Keras (torch backend)
+#   make bench  the benchmarks in bench/ (numbers recorded in the README)
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test venv clean
+.PHONY: demo test bench venv clean
 
 # torch 2.13.0 first: the machine has its CPU wheel locally; letting another package pick torch would
 # pull a newer CUDA build (gigabytes). With it installed, the ranges below are already satisfied.
@@ -24,6 +25,11 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	KERAS_BACKEND=torch $(BIN)/python -m pytest -q
+
+bench: $(STAMP)
+	$(BIN)/python bench/hook_step_cost.py
+	$(BIN)/python bench/trace_size.py
+	$(BIN)/python bench/writer_throughput.py
 
 clean:
 	rm -rf $(VENV) runs lightning_logs .pytest_cache

@@ -23,6 +23,7 @@ from typing import Any, Iterable, Iterator
 import orjson
 
 from core.atomic_file import atomic_write
+from core.gc_pause import paused_gc
 from core.step_stats import NodeExecStats, StepStats
 
 log = logging.getLogger(__name__)
@@ -93,9 +94,12 @@ class ChromeTraceWriter:
         self.compress = compress
         self.max_events = max_events
 
-    def events(self, stats: StepStats, process_prefix: str = "") -> Iterator[dict[str, Any]]:
-        """The trace events of `stats`: metadata first, then ops, flows and memory."""
-        base = stats.start_ns() or 0
+    def events(self, stats: StepStats, process_prefix: str = "", base: int | None = None
+               ) -> Iterator[dict[str, Any]]:
+        """The trace events of `stats`: metadata first, then ops, flows and memory; times from `base` (ns,
+        default the step's first event)."""
+        if base is None:
+            base = stats.start_ns() or 0
         for pid, dev in enumerate(stats.dev_stats):
             yield {"ph": "M", "name": "process_name", "pid": pid, "tid": 0,
                    "args": {"name": f"{process_prefix}{dev.device} Compute"}}
@@ -125,16 +129,18 @@ class ChromeTraceWriter:
         extra: dict[str, Any] = {"step": stats.step}
         if self.show_memory and stats.memory_samples:
             extra["peak_allocated_bytes"] = stats.peak_allocated()
+        base = stats.start_ns() or 0
         tail: dict[str, Any] = {
             "displayTimeUnit": "ms",
-            "baseTimeNanoseconds": stats.start_ns() or 0,
+            "baseTimeNanoseconds": base,
             "metadata": {**stats.metadata, **(metadata or {}), **extra},
         }
         prefix = ""
         if distributed and distributed.get("world_size", 1) > 1:
             prefix = f"[rank {distributed.get('rank', 0)}] "
         head = {"distributedInfo": distributed} if distributed else None
-        return write_trace(path, self.events(stats, prefix), tail, self.compress, self.max_events, head)
+        with paused_gc():
+            return write_trace(path, self.events(stats, prefix, base), tail, self.compress, self.max_events, head)
 
 
 def _op_event(node: NodeExecStats, pid: int, base: int) -> dict[str, Any]:

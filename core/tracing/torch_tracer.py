@@ -16,6 +16,7 @@ from typing import Any
 from core.session_run_hook import RunOptions, TraceLevel
 from core.step_stats import NodeExecStats, StepStats
 from core.dataflow import find_edges
+from core.gc_pause import paused_gc
 from core.tracing.base import HOST_DEVICE, Tracer, TracerUnavailable
 from core.tracing.execution_trace import ExecutionTrace
 from core.tracing.torch_memory import add_allocations
@@ -174,6 +175,11 @@ class TorchTracer(Tracer):
         stats = StepStats(metadata={"torch_version": torch.__version__})
         if results is None:
             return stats
+        with paused_gc():
+            self._collect(results, stats)
+        return stats
+
+    def _collect(self, results: Any, stats: StepStats) -> None:
         stats.metadata["trace_start_ns"] = results.trace_start_ns()
         execution_trace, self._execution_trace = self._execution_trace, None
         want_ids = execution_trace is not None or self._options.record_memory
@@ -182,7 +188,6 @@ class TorchTracer(Tracer):
             stats.edges = find_edges(execution_trace.read(in_order, _TORCH_DTYPES))
         if self._options.record_memory:
             add_allocations(results, stats, by_external_id)
-        return stats
 
 
 def _convert(events: list, stats: StepStats, want_ids: bool = False
