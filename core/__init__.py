@@ -4,6 +4,7 @@ Imports neither lightning nor keras; torch only inside `core.tracing.torch_trace
 """
 
 from core.hooked_session import HookedSession, Session, StepState, step_feeds
+from core import summary
 from core.profiler_hook import ProfilerHook
 from core.session_run_hook import (
     RunMetadata,
@@ -15,6 +16,7 @@ from core.session_run_hook import (
     TraceLevel,
 )
 from core.step_stats import DeviceStepStats, NodeExecStats, StepStats, TensorDescription
+from core.summary_saver_hook import SummarySaverHook
 from core.timeline import ChromeTraceWriter
 from core.timer import NeverTriggerTimer, SecondOrStepTimer
 
@@ -23,6 +25,6 @@ __version__ = "0.1.0"
 __all__ = [
     "ChromeTraceWriter", "DeviceStepStats", "HookedSession", "NeverTriggerTimer", "NodeExecStats",
     "ProfilerHook", "RunMetadata", "RunOptions", "SecondOrStepTimer", "Session", "SessionRunArgs",
-    "SessionRunContext", "SessionRunHook", "SessionRunValues", "StepState", "StepStats", "TensorDescription",
-    "TraceLevel", "step_feeds",
+    "SessionRunContext", "SessionRunHook", "SessionRunValues", "StepState", "StepStats", "SummarySaverHook",
+    "TensorDescription", "TraceLevel", "step_feeds", "summary",
 ]

@@ -1,8 +1,13 @@
-"""TensorBoard event files through TensorBoard's own writer, one per log directory (TF's SummaryWriterCache).
+"""TensorBoard event files through TensorBoard's own writer, one stream per log directory (TF's
+SummaryWriterCache).
 
-Hooks writing to the same directory share one `EventWriter`, so one run shows everything. The file is
-created on the first event (no empty event files), every event is flushed at once (traced and summary
-steps are rare, and a crash then loses nothing), and writers close at interpreter exit.
+Hooks writing to the same directory share one stream, so one run shows everything, in order. That matters:
+TensorBoard reads a directory's event files one after another, and a session-start event (which purges
+stale events of a crashed run) in one file would purge the events another writer put in an earlier-read
+file. So where a framework already writes the directory (Lightning's TensorBoardLogger), its writer is
+registered as the directory's stream (`use_for`) and every hook writes into that same file. Otherwise the
+file is created on the first event (no empty event files). Every event is flushed at once (traced and
+summary steps are rare, and a crash then loses nothing), and writers close at interpreter exit.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ import time
 from typing import Any
 
 _lock = threading.Lock()
-_writers: dict[str, EventWriter] = {}
+_writers: dict[str, Any] = {}
 
 
 class EventWriter:
@@ -45,14 +50,102 @@ class EventWriter:
             writer.close()
 
 
-def event_writer(logdir: str) -> EventWriter:
-    """The shared writer for `logdir`."""
+def use_for(logdir: str, sink: Any) -> None:
+    """Make `sink` (e.g. a framework's own writer) the stream of `logdir` for every hook."""
+    with _lock:
+        _writers[os.path.abspath(logdir)] = sink
+
+
+def event_writer(logdir: str) -> Any:
+    """The shared stream for `logdir`: a registered framework writer, else this project's EventWriter."""
     key = os.path.abspath(logdir)
     with _lock:
         writer = _writers.get(key)
         if writer is None:
             writer = _writers[key] = EventWriter(key)
         return writer
+
+
+class _TorchWriterSink:
+    """A `torch.utils.tensorboard.SummaryWriter` (or tensorboardX's) as an event sink: its own file."""
+
+    def __init__(self, writer: Any) -> None:
+        self._writer = writer
+
+    def add_event(self, event: Any) -> None:
+        if not event.wall_time:
+            event.wall_time = time.time()
+        self._writer._get_file_writer().add_event(event)
+        self._writer.flush()
+
+    def flush(self) -> None:
+        self._writer.flush()
+
+    def close(self) -> None:
+        self.flush()  # the user owns the writer and closes it
+
+
+class _LoggerSink:
+    """Lightning's `TensorBoardLogger`: its `experiment` (a SummaryWriter) exists only when first used, and
+    only on rank 0, so it is resolved at the first write."""
+
+    def __init__(self, logger: Any) -> None:
+        self._logger = logger
+        self._sink: Any = None
+
+    def _resolve(self) -> Any:
+        if self._sink is None:
+            self._sink = as_event_sink(self._logger.experiment, "summary_writer")
+        return self._sink
+
+    def add_event(self, event: Any) -> None:
+        self._resolve().add_event(event)
+
+    def flush(self) -> None:
+        if self._sink is not None:
+            self._sink.flush()
+
+    def close(self) -> None:
+        self.flush()  # the logger owns its writer and closes it
+
+
+def as_event_sink(writer: Any, argument: str = "summary_writer") -> Any:
+    """Something with `add_event(event)` and `flush()` from what a user already has: this project's
+    `EventWriter`, a log directory path, a `torch.utils.tensorboard.SummaryWriter`, Lightning's
+    `TensorBoardLogger`, or a Keras `TensorBoard` callback (its `train` directory, where Keras writes)."""
+    if isinstance(writer, (str, os.PathLike)):
+        return event_writer(os.fspath(writer))
+    if callable(getattr(writer, "add_event", None)) and callable(getattr(writer, "flush", None)):
+        return writer
+    if callable(getattr(writer, "_get_file_writer", None)):
+        return _TorchWriterSink(writer)
+    if is_tensorboard_logger(writer):
+        return _LoggerSink(writer)
+    if type(writer).__name__ == "TensorBoard" and isinstance(getattr(writer, "log_dir", None), str):
+        return event_writer(os.path.join(writer.log_dir, "train"))
+    raise TypeError(
+        f"`{argument}` must be a TensorBoard writer: a torch.utils.tensorboard.SummaryWriter, Lightning's "
+        f"TensorBoardLogger, a keras.callbacks.TensorBoard, core.event_writer.EventWriter, or a log "
+        f"directory; got {type(writer).__name__}."
+    )
+
+
+def is_tensorboard_logger(logger: Any) -> bool:
+    """Lightning's TensorBoardLogger (or one like it): an `experiment` that is a TensorBoard SummaryWriter."""
+    return type(logger).__name__ == "TensorBoardLogger" and hasattr(type(logger), "experiment")
+
+
+def add_summary(sink: Any, summary: Any, step: int) -> None:
+    from tensorboard.compat.proto.event_pb2 import Event
+
+    sink.add_event(Event(step=int(step), summary=summary))
+
+
+def add_session_start(sink: Any, step: int) -> None:
+    """TF's `SessionLog(status=START)`: TensorBoard drops events of a previous run past `step` (a restart)."""
+    from tensorboard.compat.proto.event_pb2 import Event, SessionLog
+
+    sink.add_event(Event(step=int(step), session_log=SessionLog(status=SessionLog.START)))
 
 
 def flush_if_open(logdir: str) -> None:
@@ -70,4 +163,6 @@ def close_all() -> None:
         writers = list(_writers.values())
         _writers.clear()
     for writer in writers:
-        writer.close()
+        close = getattr(writer, "close", None)
+        if callable(close):
+            close()

@@ -2,5 +2,6 @@
 
 from keras_prof.hook_callback import HookCallback, KerasSession
 from keras_prof.profiler_hook import ProfilerHook
+from keras_prof.summary_saver_hook import SummarySaverHook
 
-__all__ = ["HookCallback", "KerasSession", "ProfilerHook"]
+__all__ = ["HookCallback", "KerasSession", "ProfilerHook", "SummarySaverHook"]

@@ -2,5 +2,6 @@
 
 from lightning_prof.hook_callback import HookCallback, LightningSession
 from lightning_prof.profiler_hook import ProfilerHook
+from lightning_prof.summary_saver_hook import SummarySaverHook
 
-__all__ = ["HookCallback", "LightningSession", "ProfilerHook"]
+__all__ = ["HookCallback", "LightningSession", "ProfilerHook", "SummarySaverHook"]

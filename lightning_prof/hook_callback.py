@@ -17,6 +17,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
+from core.event_writer import as_event_sink, is_tensorboard_logger, use_for
 from core.hooked_session import HookedSession, Session, StepState
 from core.session_run_hook import SessionRunArgs, SessionRunHook
 from core.tracing import STEP_TRACES
@@ -90,11 +91,15 @@ class HookCallback(Callback):
 
         self._session = LightningSession(trainer, pl_module)
         self._driver.tracer_factory = functools.partial(TorchTracer, pl_module)
-        default_dir = None
-        for hook in self.hooks:
-            if hasattr(hook, "set_default_output_dir"):
-                default_dir = default_dir or run_dir(trainer)
-                hook.set_default_output_dir(default_dir)
+        if any(hasattr(hook, "set_default_output_dir") for hook in self.hooks):
+            default_dir = run_dir(trainer)
+            for hook in self.hooks:
+                if hasattr(hook, "set_default_output_dir"):
+                    hook.set_default_output_dir(default_dir)
+            logger = trainer.logger
+            if trainer.global_rank == 0 and is_tensorboard_logger(logger) and logger.log_dir == default_dir:
+                # one event stream per run directory: the hooks write into Lightning's own event file
+                use_for(default_dir, as_event_sink(logger))
         self._driver.begin()
 
     @override

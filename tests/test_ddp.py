@@ -16,11 +16,14 @@ SCRIPT = textwrap.dedent("""
     import os, sys
     sys.path.insert(0, {repo!r})
     import lightning as L
-    from lightning_prof import ProfilerHook
+    from core import summary
+    from lightning_prof import ProfilerHook, SummarySaverHook
     from tests.lightning_models import TinyModel, loader
     out = sys.argv[1]
+    loss = summary.scalar("loss", lambda step: step.outputs["loss"])
     hooks = [ProfilerHook(save_steps=2, output_dir=os.path.join(out, "all")),
-             ProfilerHook(save_steps=2, output_dir=os.path.join(out, "rank0"), ranks=0)]
+             ProfilerHook(save_steps=2, output_dir=os.path.join(out, "rank0"), ranks=0),
+             SummarySaverHook(save_steps=2, output_dir=os.path.join(out, "summaries"), summary_op=loss)]
     trainer = L.Trainer(strategy="ddp", devices=2, accelerator="cpu", max_steps=4, callbacks=hooks,
                         default_root_dir=out, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False)
@@ -59,6 +62,16 @@ def test_ranks_tag_their_tensorboard_run_metadata_apart(ddp_run):
     acc = EventAccumulator(str(ddp_run / "all"), size_guidance={"run_metadata": 0})
     acc.Reload()
     assert sorted(acc.Tags()["run_metadata"]) == ["step_2_rank0", "step_2_rank1", "step_4_rank0", "step_4_rank1"]
+
+
+def test_summaries_come_from_rank_0_only(ddp_run):
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    files = [n for n in os.listdir(ddp_run / "summaries") if n.startswith("events.out.tfevents")]
+    assert len(files) == 1  # rank 1 opened no event file
+    events = list(EventFileLoader(str(ddp_run / "summaries" / files[0])).Load())
+    steps = [e.step for e in events if e.HasField("summary")]
+    assert steps == [1, 3]  # once per saving step, not once per rank
 
 
 def test_merge_command_holds_both_ranks(ddp_run, tmp_path):

@@ -1,0 +1,146 @@
+"""`SummarySaverHook`: TensorBoard summaries every N steps or seconds (TF1's hook)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any, Callable
+
+from core import arguments
+from core.event_writer import add_session_start, add_summary, as_event_sink, event_writer
+from core.session_run_hook import SessionRunArgs, SessionRunHook
+from core.summary import MergedSummary, Scaffold, SummaryError, as_merged
+from core.timer import SecondOrStepTimer
+
+log = logging.getLogger(__name__)
+
+
+class SummarySaverHook(SessionRunHook):
+    """Saves summaries every N steps or seconds, with TF1's rules.
+
+    The first step always writes, after a session-start event at that step (as TF: it tells TensorBoard to
+    drop stale events of a crashed earlier run from this step on); later writes follow the schedule; `end()`
+    flushes and writes nothing new. Write into the same stream as other writers of the directory (see
+    `core.event_writer`); the Lightning adapter does so with the TensorBoardLogger by default. Summaries are lazy (`core.summary`): their values are computed only on the steps written.
+    Only rank 0 writes under distributed training.
+
+    Args:
+        save_steps: write every this many global steps. Exactly one of `save_steps` / `save_secs`.
+        save_secs: write every this many seconds.
+        output_dir: the log directory (an event file is added there); `summary_writer` wins over it.
+        summary_writer: a writer the user already has: `torch.utils.tensorboard.SummaryWriter`, Lightning's
+            `TensorBoardLogger`, a Keras `TensorBoard` callback, or `core.event_writer.EventWriter`.
+        scaffold: a `core.summary.Scaffold` whose `summary_op` is written. Exactly one of `scaffold` /
+            `summary_op`.
+        summary_op: a summary op from `core.summary`, a `merge` of them, or a list of them.
+        strict: raise when a summary cannot be computed; by default it is skipped with a warning naming the
+            summary and the step, and training goes on.
+        clock: the seconds clock of the schedule (default `time.time`); injectable for tests.
+
+    Example::
+
+        summary.scalar("loss", lambda step: step.outputs["loss"])
+        trainer = Trainer(callbacks=[SummarySaverHook(save_steps=50, summary_op=summary.merge_all())])
+    """
+
+    def __init__(
+        self,
+        save_steps: int | None = None,
+        save_secs: float | None = None,
+        output_dir: str | os.PathLike | None = None,
+        summary_writer: Any = None,
+        scaffold: Scaffold | None = None,
+        summary_op: Any = None,
+        strict: bool = False,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        owner = type(self).__name__
+        if (scaffold is None) == (summary_op is None):
+            raise ValueError("Exactly one of scaffold or summary_op must be provided.")
+        if scaffold is not None and not isinstance(scaffold, Scaffold):
+            raise TypeError(f"`{owner}(scaffold={scaffold!r})`: `scaffold` must be a core.summary.Scaffold.")
+        arguments.check_schedule(owner, save_steps, save_secs)
+        self.save_steps = save_steps
+        self.save_secs = save_secs
+        self._summary_op = None if summary_op is None else as_merged(summary_op, "summary_op")
+        self._scaffold = scaffold
+        self.output_dir = None if output_dir is None else arguments.expand_dir(owner, "output_dir", output_dir)
+        self._writer_arg = summary_writer
+        if summary_writer is not None:
+            as_event_sink(summary_writer)  # a wrong kind of writer fails here, before training
+        self.strict = arguments.check_bool(owner, "strict", strict)
+        self._timer = SecondOrStepTimer(every_secs=save_secs, every_steps=save_steps, clock=clock)
+        self._sink: Any = None
+        self._writes_here = True
+        self._started = False
+        self._request = False
+        self.summary_errors = 0
+        self._warned: set[str] = set()
+
+    def set_default_output_dir(self, path: str | os.PathLike) -> None:
+        """Where events go when the user gave neither `output_dir` nor `summary_writer` (adapters call this)."""
+        if self.output_dir is None and self._writer_arg is None:
+            self.output_dir = arguments.expand_dir(type(self).__name__, "output_dir", path)
+
+    def _get_summary_op(self) -> MergedSummary | None:
+        return self._summary_op if self._summary_op is not None else self._scaffold.summary_op
+
+    def begin(self) -> None:
+        if self._writer_arg is not None:
+            self._sink = as_event_sink(self._writer_arg)
+        elif self.output_dir is not None:
+            arguments.make_dir(type(self).__name__, "output_dir", self.output_dir)
+            self._sink = event_writer(self.output_dir)
+        self._started = False
+
+    def after_create_session(self, session: Any, coord: Any) -> None:
+        self._writes_here = getattr(session, "rank", 0) == 0
+
+    def before_run(self, run_context) -> SessionRunArgs | None:
+        timer = self._timer
+        self._request = self._sink is not None and self._writes_here and (
+            timer.last_triggered_step() is None
+            or timer.should_trigger_for_step(run_context.session.global_step + 1)
+        )
+        if not self._request:
+            return None
+        op = self._get_summary_op()
+        if op is None:
+            return None
+        return SessionRunArgs(fetches=lambda state: op.evaluate(state, self.strict, self._on_error))
+
+    def after_run(self, run_context, run_values) -> None:
+        if not self._request:
+            return
+        step = run_context.session.global_step
+        try:
+            if not self._started:
+                add_session_start(self._sink, step)
+                self._started = True
+            self._timer.update_last_triggered_step(step)
+            if run_values.results is not None:
+                add_summary(self._sink, run_values.results, step)
+        except OSError as err:  # a full disk must not end the training run
+            self._warn_once(f"os:{err.strerror}", "Could not write summaries at step %d (%s); training goes on.",
+                            step, err.strerror or err)
+
+    def end(self, session: Any) -> None:
+        if self._sink is not None:
+            self._sink.flush()
+
+    def _on_error(self, err: SummaryError) -> None:
+        self.summary_errors += 1
+        self._warn_once(str(err).split(" at step")[0], "%s; the other summaries are written.", err)
+
+    def _warn_once(self, key: str, message: str, *args: Any) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning(message, *args)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The schedule, so that a resumed run neither repeats nor skips a saving step."""
+        return {"timer": self._timer.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._timer.load_state_dict(state.get("timer", {}))
