@@ -7,6 +7,37 @@ import os
 from typing import Any
 
 
+def check_positive_int(owner: str, name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"`{owner}({name}={value!r})`: `{name}` must be an int >= 1.")
+    if value < 1:
+        raise ValueError(f"`{owner}({name}={value!r})`: `{name}` must be an int >= 1.")
+    return value
+
+
+def check_seconds(owner: str, name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"`{owner}({name}={value!r})`: `{name}` must be a number of seconds > 0.")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"`{owner}({name}={value!r})`: `{name}` must be a number of seconds > 0.")
+    return value
+
+
+def check_optional_cap(owner: str, name: str, value: Any) -> int | None:
+    """None (no cap) or an int >= 1."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"`{owner}({name}={value!r})`: `{name}` must be an int >= 1, or None.")
+    return value
+
+
+def check_callable(owner: str, name: str, value: Any) -> Any:
+    if not callable(value):
+        raise TypeError(f"`{owner}({name}={value!r})`: `{name}` must be callable.")
+    return value
+
+
 def check_schedule(owner: str, save_steps: Any, save_secs: Any) -> None:
     """Exactly one of `save_steps` (int >= 1) and `save_secs` (number > 0) must be set."""
     if save_steps is None and save_secs is None:
@@ -20,15 +51,9 @@ def check_schedule(owner: str, save_steps: Any, save_secs: Any) -> None:
             "`save_secs`, not both."
         )
     if save_steps is not None:
-        if isinstance(save_steps, bool) or not isinstance(save_steps, int):
-            raise TypeError(f"`{owner}(save_steps={save_steps!r})`: `save_steps` must be an int >= 1.")
-        if save_steps < 1:
-            raise ValueError(f"`{owner}(save_steps={save_steps!r})`: `save_steps` must be an int >= 1.")
+        check_positive_int(owner, "save_steps", save_steps)
     if save_secs is not None:
-        if isinstance(save_secs, bool) or not isinstance(save_secs, (int, float)):
-            raise TypeError(f"`{owner}(save_secs={save_secs!r})`: `save_secs` must be a number of seconds > 0.")
-        if not math.isfinite(save_secs) or save_secs <= 0:
-            raise ValueError(f"`{owner}(save_secs={save_secs!r})`: `save_secs` must be a number of seconds > 0.")
+        check_seconds(owner, "save_secs", save_secs)
 
 
 def check_bool(owner: str, name: str, value: Any) -> bool:

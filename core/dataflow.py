@@ -1,7 +1,8 @@
 """Tensor dataflow of a step: which op produced each datum another op read, found by tensor identity.
 
 A tracer gives, per op execution, the data it read and wrote as keys (for torch: the storage range
-`(storage, offset, numel, itemsize, device)`) and which outputs are views of an input. `find_edges` sweeps the
+`(storage, offset, numel, itemsize, device)`; keys of that shape are ranges of one storage, any other key is
+opaque) and which outputs are views of an input. `find_edges` sweeps the
 ops' starts and ends in time order:
 - at an op's start it consumes each input from the op that last produced that datum, unless an enclosing op
   already consumed the same datum from the same producer (so `linear` reads `x`, not also its inner `addmm`);
@@ -10,7 +11,8 @@ ops' starts and ends in time order:
   that only wrote into the datum in place (`copy_` of the bias into addmm's result buffer) is plumbing of
   the enclosing op, which takes over;
 - a view (`t`, `view`, `detach`, `expand`) produces nothing new: its output inherits the producer of the
-  datum it aliases, while an in-place op (`add_`) writes a new version and becomes the producer.
+  datum it aliases, while an in-place op (`add_`) writes a new version and becomes the producer, also of
+  every other datum of the same storage its bytes overlap (`h[:, :4].mul_(2)` is the new producer of `h`).
 No edge is made whose producer ends after its consumer starts.
 """
 
@@ -53,6 +55,14 @@ def _contains(outer: NodeExecStats, inner: NodeExecStats) -> bool:
     )
 
 
+def _byte_range(key: Hashable) -> tuple[Hashable, int, int] | None:
+    """(storage, first byte, end byte) for a storage-range key; None for an opaque key."""
+    if isinstance(key, tuple) and len(key) >= 4 and all(isinstance(v, int) for v in key[1:4]):
+        storage, offset, numel, itemsize = key[:4]
+        return storage, offset * itemsize, (offset + numel) * itemsize
+    return None
+
+
 def find_edges(ops: Iterable[OpData]) -> list[DataEdge]:
     """Producer -> consumer edges for every datum one op wrote and a later op read (see the module doc)."""
     timeline = []
@@ -64,6 +74,7 @@ def find_edges(ops: Iterable[OpData]) -> list[DataEdge]:
     timeline.sort(key=lambda t: t[:4])
 
     producer: dict[Hashable, tuple[NodeExecStats, str, bool]] = {}  # key -> (node, tensor name, fresh)
+    by_storage: dict[Hashable, set[Hashable]] = {}  # storage -> keys of it that have a producer
     last_consumer: dict[tuple[Hashable, int], NodeExecStats] = {}  # (key, id(producer)) -> consumer
     edges: list[DataEdge] = []
     for _, kind, _, _, op in timeline:
@@ -97,5 +108,16 @@ def find_edges(ops: Iterable[OpData]) -> list[DataEdge]:
             current = producer.get(key)
             if current is not None and current[2] and _contains(node, current[0]):
                 continue  # an inner op created it
-            producer[key] = (node, f"{node.node_name}:{slot}", slot not in op.mutations)
+            made = (node, f"{node.node_name}:{slot}", slot not in op.mutations)
+            producer[key] = made
+            span = _byte_range(key)
+            if span is None:
+                continue
+            keys = by_storage.setdefault(span[0], set())
+            if slot in op.mutations:  # an in-place write changes every datum whose bytes it overlaps
+                for other in keys:
+                    other_span = _byte_range(other)
+                    if other != key and other_span[1] < span[2] and span[1] < other_span[2]:
+                        producer[other] = made
+            keys.add(key)
     return edges

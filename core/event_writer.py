@@ -20,6 +20,7 @@ from typing import Any
 
 _lock = threading.Lock()
 _writers: dict[str, Any] = {}
+_users: dict[str, int] = {}  # hooks holding each directory's stream (acquire / release)
 
 
 class EventWriter:
@@ -148,12 +149,31 @@ def add_session_start(sink: Any, step: int) -> None:
     sink.add_event(Event(step=int(step), session_log=SessionLog(status=SessionLog.START)))
 
 
-def flush_if_open(logdir: str) -> None:
-    """Flush the shared writer of `logdir` if one exists (never creates a file)."""
+def acquire(logdir: str) -> Any:
+    """The stream of `logdir` for a hook's run; `release` it at the run's end."""
+    key = os.path.abspath(logdir)
+    writer = event_writer(key)
     with _lock:
-        writer = _writers.get(os.path.abspath(logdir))
+        _users[key] = _users.get(key, 0) + 1
+    return writer
+
+
+def release(logdir: str) -> None:
+    """A hook is done with `logdir`: flush, and close the writer (and its thread) when no hook uses it."""
+    key = os.path.abspath(logdir)
+    with _lock:
+        left = _users.get(key, 0) - 1
+        writer = _writers.get(key)
+        if left > 0:
+            _users[key] = left
+            writer = None
+        else:
+            _users.pop(key, None)
+            _writers.pop(key, None)
     if writer is not None:
-        writer.flush()
+        close = getattr(writer, "close", None)
+        if callable(close):
+            close()
 
 
 @atexit.register
@@ -162,6 +182,7 @@ def close_all() -> None:
     with _lock:
         writers = list(_writers.values())
         _writers.clear()
+        _users.clear()
     for writer in writers:
         close = getattr(writer, "close", None)
         if callable(close):

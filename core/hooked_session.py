@@ -26,6 +26,7 @@ from core.tracing import STEP_TRACES, StepTraceCoordinator, TracerFactory
 
 _HOOK_METHODS = ("begin", "after_create_session", "before_run", "after_run", "end")
 _current_feeds: Mapping[str, Any] = {}
+_current_feeds_key: Hashable = None  # the step the feeds belong to (several callbacks may feed one step)
 
 
 def step_feeds() -> Mapping[str, Any]:
@@ -34,6 +35,20 @@ def step_feeds() -> Mapping[str, Any]:
     A training step reads them as TF graphs read fed placeholders, e.g. `core.step_feeds().get("lr_scale", 1)`.
     """
     return _current_feeds
+
+
+def _publish_feeds(step_key: Hashable, feeds: dict[str, Any]) -> None:
+    """Make `feeds` visible to the step; callbacks feeding the same step add to each other, never silently
+    replace one another."""
+    global _current_feeds, _current_feeds_key
+    if _current_feeds and _current_feeds_key == step_key:
+        clash = _current_feeds.keys() & feeds.keys()
+        if clash:
+            raise RuntimeError(f"Same tensor is fed by two hooks: {sorted(map(str, clash))} (in two callbacks).")
+        _current_feeds = {**_current_feeds, **feeds}
+    else:
+        _current_feeds = feeds
+    _current_feeds_key = step_key
 
 
 def abort_running_step(traces: StepTraceCoordinator = STEP_TRACES) -> None:
@@ -167,6 +182,9 @@ class HookedSession:
         traces: StepTraceCoordinator = STEP_TRACES,
     ) -> None:
         self.hooks = check_hooks(hooks)
+        if tracer_factory is not None and not callable(tracer_factory):
+            raise TypeError(f"`HookedSession(tracer_factory={tracer_factory!r})`: pass a callable that makes a "
+                            "core.tracing.Tracer (e.g. core.tracing.HostTracer).")
         self.tracer_factory = tracer_factory
         self._traces = traces
         self._context: SessionRunContext | None = None
@@ -186,6 +204,8 @@ class HookedSession:
 
     def before_run(self, session: Session, step_key: Hashable, original_args: SessionRunArgs) -> None:
         """Ask every hook what it needs of the coming step; start the step's trace if one asked for it."""
+        if self._context is not None:  # the previous step never finished (the framework skipped it)
+            self.abort_step()
         context = SessionRunContext(original_args, session)
         fetches: dict[int, Any] = {}
         feeds: dict[str, Any] = {}
@@ -201,6 +221,9 @@ class HookedSession:
                 )
             if request.fetches is not None:
                 fetches[i] = request.fetches
+            if request.feed_dict is not None and not isinstance(request.feed_dict, Mapping):
+                raise TypeError(f"{type(hook).__name__}.before_run returned SessionRunArgs(feed_dict="
+                                f"{type(request.feed_dict).__name__}); feed_dict must be a dict of name -> value.")
             if request.feed_dict:
                 _merge_feeds(feeds, request.feed_dict, original_args.feed_dict or {}, type(hook).__name__)
             if request.options is not None:
@@ -209,8 +232,7 @@ class HookedSession:
                 options.merge(request.options)
         self._context, self._fetches, self._options, self._key = context, fetches, options, step_key
         if feeds:
-            global _current_feeds
-            _current_feeds = feeds
+            _publish_feeds(step_key, feeds)
         if options is not None and options.trace_level > TraceLevel.NO_TRACE:
             self._traces.start(step_key, self.tracer_factory, options)
 

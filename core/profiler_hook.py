@@ -8,16 +8,16 @@ import time
 from typing import Any, Callable, Sequence
 
 from core import arguments
-from core.session_run_hook import RunOptions, SessionRunArgs, SessionRunHook, TraceLevel
+from core.periodic_hook import PeriodicHook
+from core.session_run_hook import RunOptions, SessionRunArgs, TraceLevel
 from core.timeline import ChromeTraceWriter
-from core.timer import SecondOrStepTimer
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_EVENTS = 2_000_000  # what Perfetto's and Chrome's JSON importers load comfortably
 
 
-class ProfilerHook(SessionRunHook):
+class ProfilerHook(PeriodicHook):
     """Captures CPU/GPU profiling information every N steps or seconds, as `timeline-<step>.json` files.
 
     Same arguments and semantics as TF1's `tf.train.ProfilerHook`, as of TF 1.14: the first step only starts
@@ -64,16 +64,15 @@ class ProfilerHook(SessionRunHook):
     ) -> None:
         owner = type(self).__name__
         arguments.check_schedule(owner, save_steps, save_secs)
-        self.save_steps = save_steps
-        self.save_secs = save_secs
+        super().__init__(save_steps, save_secs, clock)
         self.output_dir = None if output_dir is None else arguments.expand_dir(owner, "output_dir", output_dir)
+        self._output_dir_given = output_dir is not None
         self.show_dataflow = arguments.check_bool(owner, "show_dataflow", show_dataflow)
         self.show_memory = arguments.check_bool(owner, "show_memory", show_memory)
         self.ranks = _check_ranks(owner, ranks)
         self.compress = arguments.check_bool(owner, "compress", compress)
-        self.max_events = _check_max_events(owner, max_events)
+        self.max_events = arguments.check_optional_cap(owner, "max_events", max_events)
         self.tensorboard = arguments.check_bool(owner, "tensorboard", tensorboard)
-        self._timer = SecondOrStepTimer(every_secs=save_secs, every_steps=save_steps, clock=clock)
         self._writer = ChromeTraceWriter(show_dataflow=show_dataflow, show_memory=show_memory,
                                          compress=compress, max_events=max_events)
         self._options = RunOptions(
@@ -82,20 +81,39 @@ class ProfilerHook(SessionRunHook):
         self._request = False
         self._writes_here = True
         self.saved_paths: list[str] = []
+        self._events: Any = None
+        self._events_dir: str | None = None
         self.dropped_outputs = 0
         self._warned: set[str] = set()
 
     def set_default_output_dir(self, path: str | os.PathLike) -> None:
-        """Where the files go when the user gave no `output_dir` (the adapters call this before `begin`)."""
-        if self.output_dir is None:
+        """Where the files go when the user gave no `output_dir` (the adapters call this before each fit's
+        `begin`, so a second fit writes into its own run directory)."""
+        if not self._output_dir_given:
             self.output_dir = arguments.expand_dir(type(self).__name__, "output_dir", path)
 
     def begin(self) -> None:
         if self.output_dir is None:
             self.output_dir = os.getcwd()
         arguments.make_dir(type(self).__name__, "output_dir", self.output_dir)
+        super().begin()
+        self._release_events()  # a previous fit that failed before end()
+        if self.tensorboard:
+            from core.event_writer import acquire
+
+            self._events_dir = self.output_dir
+            self._events = acquire(self.output_dir)
+
+    def _release_events(self) -> None:
+        if getattr(self, "_events_dir", None) is not None:
+            from core.event_writer import release
+
+            release(self._events_dir)
+        self._events_dir = None
+        self._events = None
 
     def after_create_session(self, session: Any, coord: Any) -> None:
+        super().after_create_session(session, coord)
         rank = getattr(session, "rank", 0)
         self._writes_here = self.ranks is None or rank in self.ranks
 
@@ -159,11 +177,12 @@ class ProfilerHook(SessionRunHook):
 
     def _add_run_metadata(self, stats: Any, tag: str, step: int) -> None:
         """TF's `add_run_metadata(run_metadata, "step_N")`: the graph and stats for TensorBoard."""
+        if self._events is None:
+            return
         try:
             from core import tensorboard_graph
-            from core.event_writer import event_writer
 
-            tensorboard_graph.add_run_metadata(event_writer(self.output_dir), stats, tag, step)
+            tensorboard_graph.add_run_metadata(self._events, stats, tag, step)
         except ImportError:
             self._warn_once("no tensorboard", "The tensorboard package is not installed: timelines are written "
                             "but not the step_N graphs; pip install tensorboard, or pass tensorboard=False.")
@@ -177,35 +196,17 @@ class ProfilerHook(SessionRunHook):
             log.warning(message, *args)
 
     def end(self, session: Any) -> None:
-        if self.tensorboard and self.output_dir:
-            from core.event_writer import flush_if_open
-
-            flush_if_open(self.output_dir)
-
-    def state_dict(self) -> dict[str, Any]:
-        """The schedule, so that a resumed run writes no duplicate and misses no timeline."""
-        return {"timer": self._timer.state_dict()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._timer.load_state_dict(state.get("timer", {}))
-
-
-def _check_max_events(owner: str, max_events: Any) -> int | None:
-    if max_events is None:
-        return None
-    if isinstance(max_events, bool) or not isinstance(max_events, int) or max_events < 1:
-        raise ValueError(f"`{owner}(max_events={max_events!r})`: `max_events` must be an int >= 1, or None.")
-    return max_events
+        self._release_events()
 
 
 def _check_ranks(owner: str, ranks: Any) -> frozenset[int] | None:
     if ranks is None:
         return None
     values = [ranks] if isinstance(ranks, int) and not isinstance(ranks, bool) else ranks
-    if not isinstance(values, (list, tuple, set, frozenset)) or not all(
+    if not isinstance(values, (list, tuple, set, frozenset)) or not values or not all(
         isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in values
     ):
         raise TypeError(
-            f"`{owner}(ranks={ranks!r})`: `ranks` must be None (all ranks), a rank number, or a list of them."
+            f"`{owner}(ranks={ranks!r})`: `ranks` must be None (all ranks), a rank number, or a non-empty list of them."
         )
     return frozenset(values)

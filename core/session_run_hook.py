@@ -40,6 +40,14 @@ class RunOptions:
     record_memory: bool = False
     with_stack: bool = False
 
+    def __post_init__(self) -> None:
+        level = self.trace_level
+        try:
+            self.trace_level = TraceLevel[level] if isinstance(level, str) else TraceLevel(level)
+        except (KeyError, ValueError):
+            raise ValueError(f"`RunOptions(trace_level={level!r})`: use one of "
+                             f"{[f'RunOptions.{t.name}' for t in TraceLevel]}.") from None
+
     def merge(self, other: RunOptions) -> None:
         """Fold another hook's request into this one: the higher trace level and every extra wins."""
         self.trace_level = TraceLevel(max(self.trace_level, other.trace_level))

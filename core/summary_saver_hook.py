@@ -8,15 +8,15 @@ import time
 from typing import Any, Callable
 
 from core import arguments
-from core.event_writer import add_session_start, add_summary, as_event_sink, event_writer
-from core.session_run_hook import SessionRunArgs, SessionRunHook
+from core.event_writer import acquire, add_session_start, add_summary, as_event_sink, release
+from core.periodic_hook import PeriodicHook
+from core.session_run_hook import SessionRunArgs
 from core.summary import MergedSummary, Scaffold, SummaryError, as_merged
-from core.timer import SecondOrStepTimer
 
 log = logging.getLogger(__name__)
 
 
-class SummarySaverHook(SessionRunHook):
+class SummarySaverHook(PeriodicHook):
     """Saves summaries every N steps or seconds, with TF1's rules.
 
     The first step always writes, after a session-start event at that step (as TF: it tells TensorBoard to
@@ -61,17 +61,17 @@ class SummarySaverHook(SessionRunHook):
         if scaffold is not None and not isinstance(scaffold, Scaffold):
             raise TypeError(f"`{owner}(scaffold={scaffold!r})`: `scaffold` must be a core.summary.Scaffold.")
         arguments.check_schedule(owner, save_steps, save_secs)
-        self.save_steps = save_steps
-        self.save_secs = save_secs
+        super().__init__(save_steps, save_secs, clock)
         self._summary_op = None if summary_op is None else as_merged(summary_op, "summary_op")
         self._scaffold = scaffold
         self.output_dir = None if output_dir is None else arguments.expand_dir(owner, "output_dir", output_dir)
+        self._output_dir_given = output_dir is not None
         self._writer_arg = summary_writer
         if summary_writer is not None:
             as_event_sink(summary_writer)  # a wrong kind of writer fails here, before training
         self.strict = arguments.check_bool(owner, "strict", strict)
-        self._timer = SecondOrStepTimer(every_secs=save_secs, every_steps=save_steps, clock=clock)
         self._sink: Any = None
+        self._events_dir: str | None = None
         self._writes_here = True
         self._started = False
         self._request = False
@@ -80,7 +80,7 @@ class SummarySaverHook(SessionRunHook):
 
     def set_default_output_dir(self, path: str | os.PathLike) -> None:
         """Where events go when the user gave neither `output_dir` nor `summary_writer` (adapters call this)."""
-        if self.output_dir is None and self._writer_arg is None:
+        if not self._output_dir_given and self._writer_arg is None:
             self.output_dir = arguments.expand_dir(type(self).__name__, "output_dir", path)
 
     def _get_summary_op(self) -> MergedSummary | None:
@@ -91,10 +91,17 @@ class SummarySaverHook(SessionRunHook):
             self._sink = as_event_sink(self._writer_arg)
         elif self.output_dir is not None:
             arguments.make_dir(type(self).__name__, "output_dir", self.output_dir)
-            self._sink = event_writer(self.output_dir)
+            self._release_events()  # a previous fit that failed before end()
+            self._events_dir = self.output_dir
+            self._sink = acquire(self.output_dir)
+        else:
+            self._warn_once("nowhere", "SummarySaverHook has neither output_dir nor summary_writer: it writes "
+                            "nothing. Pass output_dir= or summary_writer=.")
         self._started = False
+        super().begin()
 
     def after_create_session(self, session: Any, coord: Any) -> None:
+        super().after_create_session(session, coord)
         self._writes_here = getattr(session, "rank", 0) == 0
 
     def before_run(self, run_context) -> SessionRunArgs | None:
@@ -128,6 +135,12 @@ class SummarySaverHook(SessionRunHook):
     def end(self, session: Any) -> None:
         if self._sink is not None:
             self._sink.flush()
+        self._release_events()
+
+    def _release_events(self) -> None:
+        if self._events_dir is not None:
+            release(self._events_dir)
+        self._events_dir = None
 
     def _on_error(self, err: SummaryError) -> None:
         self.summary_errors += 1
@@ -138,9 +151,3 @@ class SummarySaverHook(SessionRunHook):
             self._warned.add(key)
             log.warning(message, *args)
 
-    def state_dict(self) -> dict[str, Any]:
-        """The schedule, so that a resumed run neither repeats nor skips a saving step."""
-        return {"timer": self._timer.state_dict()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._timer.load_state_dict(state.get("timer", {}))

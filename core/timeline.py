@@ -22,6 +22,7 @@ from typing import Any, Iterable, Iterator
 
 import orjson
 
+from core import arguments
 from core.atomic_file import atomic_write
 from core.gc_pause import paused_gc
 from core.step_stats import NodeExecStats, StepStats
@@ -92,7 +93,7 @@ class ChromeTraceWriter:
         self.show_dataflow = show_dataflow
         self.show_memory = show_memory
         self.compress = compress
-        self.max_events = max_events
+        self.max_events = arguments.check_optional_cap("ChromeTraceWriter", "max_events", max_events)
 
     def events(self, stats: StepStats, process_prefix: str = "", base: int | None = None
                ) -> Iterator[dict[str, Any]]:

@@ -45,6 +45,13 @@ class SecondOrStepTimer:
             raise ValueError("Either every_secs or every_steps should be provided.")
         if every_secs is not None and every_steps is not None:
             raise ValueError("Can not provide both every_secs and every_steps.")
+        from core import arguments  # (core.arguments imports nothing of the timer; kept local for clarity)
+
+        if every_steps is not None:
+            arguments.check_positive_int("SecondOrStepTimer", "every_steps", every_steps)
+        if every_secs is not None:
+            arguments.check_seconds("SecondOrStepTimer", "every_secs", every_secs)
+        arguments.check_callable("SecondOrStepTimer", "clock", clock)
         self._every_secs = every_secs
         self._every_steps = every_steps
         self._clock = clock

@@ -1,6 +1,7 @@
 """Merge per-rank timelines into one trace: each rank's processes grouped together, clocks aligned.
 
-Every input keeps its own events; the merge renumbers process ids (rank r's pid p becomes r * 1000 + p),
+Every input keeps its own events; the merge renumbers process ids (rank r's k-th distinct pid becomes
+r * 1000 + k, so OS process ids of any size never collide),
 sorts each rank's processes together and names them `[rank r] ...`, shifts timestamps to the earliest
 `baseTimeNanoseconds` of the inputs (the ranks' clocks are the same wall clock), and offsets flow and object
 ids by rank so arrows and tensors never join across ranks.
@@ -65,10 +66,14 @@ def _merged_events(traces: list[tuple[int, dict[str, Any]]], base: int) -> Itera
     for rank, trace in traces:
         shift_us = (int(trace.get("baseTimeNanoseconds", 0)) - base) / 1000
         prefix = f"[rank {rank}] "
+        pids: dict[Any, int] = {}
         for event in trace["traceEvents"]:
             event = dict(event)
             if "pid" in event:
-                event["pid"] = rank * PID_STRIDE + int(event["pid"])
+                pid = pids.setdefault(event["pid"], len(pids))
+                if pid >= PID_STRIDE:
+                    raise ValueError(f"merge_timelines: rank {rank} has more than {PID_STRIDE} processes.")
+                event["pid"] = rank * PID_STRIDE + pid
             if "ts" in event:
                 event["ts"] = event["ts"] + shift_us
             if "id" in event and isinstance(event["id"], int):

@@ -13,6 +13,7 @@ With the torch backend steps are traced with torch.profiler; other backends get 
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any, Sequence
 
 import keras
@@ -23,6 +24,7 @@ from core.tracing import HostTracer, TracerFactory
 
 log = logging.getLogger(__name__)
 _warned_backend = False
+DEFAULT_LOG_DIR = os.path.join("logs", "train")  # where keras.callbacks.TensorBoard() writes training events
 
 
 class KerasSession(Session):
@@ -108,6 +110,9 @@ class HookCallback(keras.callbacks.Callback):
         self._session = KerasSession(self.model)
         self._driver.tracer_factory = tracer_factory(self.model)
         self._watch = _TrainStepWatch.install(self.model)
+        for hook in self.hooks:  # hooks left without a directory write where Keras' TensorBoard callback does
+            if hasattr(hook, "set_default_output_dir"):
+                hook.set_default_output_dir(DEFAULT_LOG_DIR)
         self._driver.begin()
         self._driver.after_create_session(self._session)
 

@@ -7,9 +7,7 @@ from typing import Any
 
 from core.summary import Scaffold
 from core.summary_saver_hook import SummarySaverHook as CoreSummarySaverHook
-from keras_prof.hook_callback import HookCallback
-
-DEFAULT_LOG_DIR = os.path.join("logs", "train")  # where keras.callbacks.TensorBoard() writes training events
+from keras_prof.hook_callback import DEFAULT_LOG_DIR, HookCallback
 
 
 class SummarySaverHook(HookCallback):

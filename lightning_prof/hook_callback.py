@@ -3,6 +3,10 @@
 Mapping: `begin` <- `setup("fit")`; `after_create_session` <- `on_train_start`; `before_run` <-
 `on_train_batch_start`; `after_run` <- `on_train_batch_end`; `end` <- `on_train_end` (a clean finish or a
 requested stop); `on_exception` stops any running trace and calls no `after_run`/`end`.
+A TF step is one optimizer step (one global step): with gradient accumulation the step opens at the first
+micro-batch of the window and closes at the batch whose optimizer step advances `trainer.global_step` (or at
+the epoch's end), so schedules count global steps and a trace holds the whole window. A batch that starts but
+never ends (`on_train_batch_start` returning -1) is aborted: no `after_run`, and its trace is stopped.
 `run_context.session` is a `LightningSession`: `.trainer`, `.model` (the LightningModule), `.global_step`,
 `.rank`, `.world_size`, and `.run(fetches)`. A fetch name looks up the training_step's output (`"loss"`)
 or a logged metric (`trainer.callback_metrics`); `request_stop()` sets `trainer.should_stop`.
@@ -73,6 +77,8 @@ class HookCallback(Callback):
     def __init__(self, hooks: Sequence[SessionRunHook]) -> None:
         self._driver = HookedSession(hooks, tracer_factory=None)  # the tracer needs the module: see setup
         self._session: LightningSession | None = None
+        self._open_at: int | None = None  # global step when the open TF step began (None: no step open)
+        self._batch_running = False  # a batch started and has not ended
 
     @property
     def hooks(self) -> list[SessionRunHook]:
@@ -81,7 +87,7 @@ class HookCallback(Callback):
     @property
     @override
     def state_key(self) -> str:
-        return self._generate_state_key(hooks=[repr(_hook_key(h)) for h in self.hooks])
+        return self._generate_state_key(hooks=[_hook_key(h) for h in self.hooks])
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -104,11 +110,19 @@ class HookCallback(Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._open_at = None
+        self._batch_running = False
         self._driver.after_create_session(self._session)
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
+        if self._batch_running:  # the previous batch never ended (skipped with -1): abort its step
+            self._abort()
+        self._batch_running = True
+        if self._open_at is not None:
+            return  # inside a gradient-accumulation window: the TF step is already open
+        self._open_at = trainer.global_step
         key = (id(trainer), trainer.current_epoch, batch_idx, trainer.global_step)
         self._driver.before_run(self._session, key, SessionRunArgs(feed_dict={"batch": batch, "batch_idx": batch_idx}))
 
@@ -127,6 +141,14 @@ class HookCallback(Callback):
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
+        self._batch_running = False
+        if self._open_at is None or trainer.global_step == self._open_at:
+            return  # a micro-batch whose optimizer step has not come yet
+        self._close(trainer, pl_module, outputs, batch, batch_idx)
+
+    def _close(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+               batch_idx: int) -> None:
+        self._open_at = None
         session = self._session
         stop = self._driver.after_run(
             lambda: StepState(trainer.global_step, _outputs(outputs), batch, batch_idx, pl_module,
@@ -135,13 +157,31 @@ class HookCallback(Callback):
         if stop:
             trainer.should_stop = True
 
+    def _abort(self) -> None:
+        self._open_at = None
+        self._batch_running = False
+        self._driver.abort_step()
+
+    @override
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._batch_running:
+            self._abort()
+        elif self._open_at is not None:  # the epoch ended inside a window that never stepped the optimizer
+            self._close(trainer, pl_module, None, None, None)
+
+    @override
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        STEP_TRACES.restart_data_clock()  # validation time is not the next step's data wait
+
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._batch_running or self._open_at is not None:
+            self._abort()
         self._driver.end(self._session)
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        self._driver.abort_step()
+        self._abort()
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -154,7 +194,10 @@ class HookCallback(Callback):
                 hook.load_state_dict(state)
 
 
-def _hook_key(hook: SessionRunHook) -> tuple:
-    """What tells two hooks apart in a checkpoint: their class, schedule and where they write."""
-    return tuple([type(hook).__qualname__] + [getattr(hook, a, None) for a in
-                                              ("save_steps", "save_secs", "output_dir", "ranks")])
+def _hook_key(hook: SessionRunHook) -> str:
+    """What tells two hooks apart in a checkpoint, stable across processes: the class and its settings (its
+    public attributes of plain types), so `StopAt(0.1)` and `StopAt(0.2)` are two keys."""
+    settings = sorted((name, value) for name, value in vars(hook).items()
+                      if not name.startswith("_") and isinstance(value, (int, float, str, bool, type(None), frozenset))
+                      and name not in ("saved_paths", "dropped_outputs", "summary_errors"))
+    return f"{type(hook).__qualname__}{settings}"

@@ -49,9 +49,9 @@ def test_output_dir_that_is_a_file_is_refused(cls, tmp_path):
         cls(save_steps=1, output_dir=str(target / "sub"))
 
 
-@pytest.mark.parametrize("ranks", ["0", [0, -1], [True], 1.0])
+@pytest.mark.parametrize("ranks", ["0", [0, -1], [True], 1.0, []])
 def test_bad_ranks(ranks):
-    with pytest.raises(TypeError, match=r"`ranks` must be None \(all ranks\), a rank number, or a list"):
+    with pytest.raises(TypeError, match=r"`ranks` must be None \(all ranks\), a rank number, or a non-empty list"):
         lightning_prof.ProfilerHook(save_steps=1, ranks=ranks)
 
 

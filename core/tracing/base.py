@@ -10,6 +10,7 @@ the host-only one included, shows them on a "Step" thread.
 from __future__ import annotations
 
 import abc
+import atexit
 import logging
 import time
 from typing import Callable, Hashable
@@ -76,8 +77,14 @@ class StepTraceCoordinator:
             log.warning(message, *args, exc_info=exc_info)
 
     def new_run(self) -> None:
-        """Training (re)starts: the time between the last step of a previous run and now is no data wait."""
+        """Training (re)starts: a trace left running by an unfinished step of a previous run is stopped, and
+        the time since that run's last step is no data wait."""
+        self.abort()
         self._last_step_end_ns = None
+
+    def restart_data_clock(self) -> None:
+        """Work between steps that is not data loading (validation) ended now: the next data wait starts here."""
+        self._last_step_end_ns = time.time_ns()
 
     @property
     def active(self) -> bool:
@@ -176,3 +183,6 @@ def _add_phase_spans(stats: StepStats, trace: _StepTrace, end_ns: int) -> None:
 
 
 STEP_TRACES = StepTraceCoordinator()
+# A trace left running when the process ends (a Keras step failing outside the step function, which no
+# callback sees) is stopped, so no profiler session or temp file outlives the process.
+atexit.register(STEP_TRACES.abort)

@@ -171,17 +171,21 @@ class TorchTracer(Tracer):
                 trace.discard()
 
     def stop(self) -> StepStats:
-        results = self._close()
-        stats = StepStats(metadata={"torch_version": torch.__version__})
-        if results is None:
+        execution_trace = self._execution_trace
+        try:
+            results = self._close()
+            stats = StepStats(metadata={"torch_version": torch.__version__})
+            if results is not None:
+                with paused_gc():
+                    self._collect(results, stats, execution_trace)
             return stats
-        with paused_gc():
-            self._collect(results, stats)
-        return stats
+        finally:
+            self._execution_trace = None
+            if execution_trace is not None:
+                execution_trace.discard()  # its temp file goes even when reading the step failed
 
-    def _collect(self, results: Any, stats: StepStats) -> None:
+    def _collect(self, results: Any, stats: StepStats, execution_trace: ExecutionTrace | None) -> None:
         stats.metadata["trace_start_ns"] = results.trace_start_ns()
-        execution_trace, self._execution_trace = self._execution_trace, None
         want_ids = execution_trace is not None or self._options.record_memory
         by_external_id, in_order = _convert(results.events(), stats, want_ids=want_ids)
         if execution_trace is not None:
@@ -203,10 +207,14 @@ def _convert(events: list, stats: StepStats, want_ids: bool = False
     in_order: dict[tuple[int, str], list[NodeExecStats]] = {}
     host = stats.device(HOST_DEVICE)
     rows = []
+    backward_end = 0  # the end of the step's last backward op: what starts after it is the optimizer's
     for ev in events:
         activity = ev.activity_type()
         if activity in _HOST_ACTIVITIES:
-            rows.append((ev.start_ns(), -ev.duration_ns(), ev.start_thread_id(), len(rows), activity, ev))
+            start, dur, name = ev.start_ns(), ev.duration_ns(), ev.name()
+            if name.startswith(BACKWARD_PREFIX):
+                backward_end = max(backward_end, start + dur)
+            rows.append((start, -dur, ev.start_thread_id(), len(rows), activity, name, ev))
         elif activity in _KERNEL_ACTIVITIES:
             _add_kernel(ev, activity, stats)
     rows.sort()
@@ -218,10 +226,8 @@ def _convert(events: list, stats: StepStats, want_ids: bool = False
     nodes = host.node_stats
     dtype_names = _TORCH_DTYPES
     dtype_cache: dict[tuple, list[str]] = {}
-    backward_end = 0
-    for start, neg_dur, tid, _, activity, ev in rows:
+    for start, neg_dur, tid, _, activity, name, ev in rows:
         dur = -neg_dur
-        name = ev.name()
         stack = stacks.get(tid)
         if stack is None:
             stack = stacks[tid] = []
@@ -236,7 +242,6 @@ def _convert(events: list, stats: StepStats, want_ids: bool = False
             if name.startswith(BACKWARD_PREFIX):
                 phase = "backward"
                 scope = forward_scopes.get((ev.fwd_thread_id(), ev.sequence_nr()), scope)
-                backward_end = max(backward_end, start + dur)
             else:
                 shapes = ev.shapes()
                 if shapes:

@@ -1,0 +1,142 @@
+"""Regression tests for the lifecycle edges a review found: accumulation, skipped batches, re-fits, two
+callbacks, validation time, in-place writes through views, pid renumbering, writer threads."""
+
+import os
+import threading
+
+import lightning as L
+import torch
+
+import core
+from core import RunOptions, SessionRunArgs, TraceLevel, step_feeds
+from core.dataflow import OpData, find_edges
+from core.step_stats import NodeExecStats, TensorDescription
+from core.trace_merge import merge_timelines
+from core.trace_summary import load_trace
+from lightning_prof import HookCallback, ProfilerHook
+from tests.conftest import RecordingHook, timeline_steps
+from tests.lightning_models import TinyModel, loader, trainer
+
+
+def test_gradient_accumulation_counts_optimizer_steps(tmp_dir):
+    rec = RecordingHook()
+    hook = ProfilerHook(save_steps=2, output_dir=tmp_dir, tensorboard=False)
+    trainer(tmp_dir, [hook, HookCallback([rec])], 8, accumulate_grad_batches=4).fit(TinyModel(), loader(n=256))
+    assert [c[1] for c in rec.calls if c[0] == "after_run"] == list(range(1, 9))
+    assert timeline_steps(tmp_dir) == [2, 4, 6, 8]
+    trace = load_trace(hook.saved_paths[0])  # one TF step = the whole window: 4 forwards, 1 optimizer step
+    forward = [e for e in trace["traceEvents"] if e.get("name") == "aten::addmm" and e["args"]["phase"] == "forward"]
+    assert len(forward) == 4 * 2
+
+
+class SkipsBatches(TinyModel):
+    def on_train_batch_start(self, batch, batch_idx):
+        return -1 if batch_idx == 2 else None  # Lightning skips the rest of the epoch
+
+
+def test_a_skipped_batch_is_aborted_and_nothing_keeps_running(tmp_dir):
+    from torch.nn.modules import module as nn_module
+
+    hooks_before = len(nn_module._global_forward_pre_hooks)
+    rec = RecordingHook(options=RunOptions(trace_level=TraceLevel.FULL_TRACE))
+    trainer(tmp_dir, [HookCallback([rec])], 20, max_epochs=1).fit(SkipsBatches(), loader())
+    assert rec.names() == ["begin", "after_create_session"] + ["before_run", "after_run"] * 2 + ["before_run", "end"]
+    assert not torch._C._autograd._profiler_enabled()
+    assert len(nn_module._global_forward_pre_hooks) == hooks_before
+
+
+def test_a_second_fit_with_the_same_callbacks_starts_its_own_schedule_and_run_dir(tmp_dir):
+    hook = ProfilerHook(save_steps=3)
+    dirs = []
+    for _ in range(2):
+        t = trainer(tmp_dir, [hook], 6)
+        t.fit(TinyModel(), loader())
+        dirs.append(t.log_dir)
+    assert dirs[0] != dirs[1]
+    for d in dirs:
+        assert timeline_steps(d) == [3, 6]
+
+
+class StopAt(core.SessionRunHook):
+    def __init__(self, loss):
+        self.loss = loss
+
+
+class Feeds(core.SessionRunHook):
+    def __init__(self, name, value):
+        self.name, self.value = name, value
+
+    def before_run(self, run_context):
+        return SessionRunArgs(feed_dict={self.name: self.value})
+
+
+class ReadsFeeds(TinyModel):
+    seen: list = []
+
+    def training_step(self, batch, batch_idx):
+        self.seen.append(dict(step_feeds()))
+        return super().training_step(batch, batch_idx)
+
+
+def test_two_hook_callbacks_with_their_own_settings_and_feeds(tmp_dir):
+    model = ReadsFeeds()
+    model.seen = []
+    callbacks = [HookCallback([StopAt(0.1), Feeds("lr_scale", 0.5)]), HookCallback([StopAt(0.2), Feeds("dropout", 0.1)])]
+    trainer(tmp_dir, callbacks, 2).fit(model, loader())
+    assert model.seen == [{"lr_scale": 0.5, "dropout": 0.1}] * 2
+
+
+class SlowValidation(TinyModel):
+    def validation_step(self, batch, batch_idx):
+        import time
+
+        time.sleep(0.2)
+        return super().training_step(batch, batch_idx)
+
+
+def test_validation_time_is_not_data_wait(tmp_dir):
+    hook = ProfilerHook(save_steps=1, output_dir=tmp_dir, tensorboard=False)
+    trainer(tmp_dir, [hook], 4, val_check_interval=2, limit_val_batches=1, num_sanity_val_steps=0).fit(
+        SlowValidation(), loader(), loader())
+    for path in hook.saved_paths:
+        waits = [e["dur"] for e in load_trace(path)["traceEvents"] if e.get("name") == "data_wait"]
+        assert all(w < 100_000 for w in waits), (path, waits)  # microseconds: never the 200 ms validation
+
+
+def test_an_in_place_write_through_a_view_is_the_new_producer_of_the_whole_tensor():
+    def node(name, start):
+        return NodeExecStats(name, name, start, 5, 1)
+
+    t = TensorDescription("float32", (4,), 16)
+    whole, part = ("s", 0, 8, 4, "cpu"), ("s", 0, 4, 4, "cpu")
+    addmm, mul_, relu = node("addmm", 0), node("mul_", 10), node("relu", 20)
+    edges = find_edges([OpData(addmm, [], [(whole, t)]),
+                        OpData(mul_, [(part, t)], [(part, t)], mutations=frozenset({0})),
+                        OpData(relu, [(whole, t)], [])])
+    assert [(e.producer.op, e.consumer.op) for e in edges] == [("mul_", "relu")]
+
+
+def test_merge_renumbers_os_pids_without_collisions(tmp_path):
+    import json
+
+    paths = []
+    for rank, pid in ((0, 1500), (1, 500)):
+        path = tmp_path / f"r{rank}.json"
+        path.write_text(json.dumps({"distributedInfo": {"rank": rank}, "baseTimeNanoseconds": 0, "traceEvents": [
+            {"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": "python"}},
+            {"ph": "X", "name": f"op{rank}", "pid": pid, "tid": 1, "ts": 0, "dur": 1}]}))
+        paths.append(str(path))
+    merge_timelines(paths, str(tmp_path / "m.json"))
+    ops = {e["name"]: e["pid"] for e in load_trace(str(tmp_path / "m.json"))["traceEvents"] if e["ph"] == "X"}
+    assert ops == {"op0": 0, "op1": 1000}
+
+
+def test_event_writer_threads_do_not_pile_up_across_fits(tmp_dir):
+    from core import summary
+
+    op = summary.scalar("c", 1.0, collections=[])
+    before = threading.active_count()
+    for i in range(3):
+        hook = core.SummarySaverHook(save_steps=1, output_dir=os.path.join(tmp_dir, str(i)), summary_op=op)
+        trainer(tmp_dir, [HookCallback([hook])], 2, logger=False).fit(TinyModel(), loader())
+    assert threading.active_count() <= before + 1
