@@ -41,6 +41,10 @@ class ProfilerHook(PeriodicHook):
             `truncated`, and one warning is logged. None for no cap.
         tensorboard: also write the traced step's graph and run metadata (tag `step_<N>`) to a TensorBoard
             event file in `output_dir`, as TF did, for the Graphs dashboard (needs the tensorboard package).
+        profiler: a `core.profiler.Profiler`: every traced step is added to it (`add_step`), for tfprof's
+            views and advice over the whole run. Memory is then recorded too.
+        with_stack: record each op's Python call stack (the Profiler's code view and the advisor's code lines
+            need it; it makes traced steps slower).
         clock: the seconds clock of the schedule (default `time.time`); injectable for tests.
 
     Example::
@@ -60,6 +64,8 @@ class ProfilerHook(PeriodicHook):
         compress: bool = False,
         max_events: int | None = DEFAULT_MAX_EVENTS,
         tensorboard: bool = True,
+        profiler: Any = None,
+        with_stack: bool = False,
         clock: Callable[[], float] = time.time,
     ) -> None:
         owner = type(self).__name__
@@ -73,10 +79,15 @@ class ProfilerHook(PeriodicHook):
         self.compress = arguments.check_bool(owner, "compress", compress)
         self.max_events = arguments.check_optional_cap(owner, "max_events", max_events)
         self.tensorboard = arguments.check_bool(owner, "tensorboard", tensorboard)
+        self.with_stack = arguments.check_bool(owner, "with_stack", with_stack)
+        if profiler is not None and not callable(getattr(profiler, "add_step", None)):
+            raise TypeError(f"`{owner}(profiler={profiler!r})`: `profiler` must be a core.profiler.Profiler.")
+        self.profiler = profiler
         self._writer = ChromeTraceWriter(show_dataflow=show_dataflow, show_memory=show_memory,
                                          compress=compress, max_events=max_events)
         self._options = RunOptions(
-            trace_level=TraceLevel.FULL_TRACE, record_dataflow=show_dataflow, record_memory=show_memory
+            trace_level=TraceLevel.FULL_TRACE, record_dataflow=show_dataflow,
+            record_memory=show_memory or profiler is not None, with_stack=with_stack,
         )
         self._request = False
         self._writes_here = True
@@ -136,6 +147,8 @@ class ProfilerHook(PeriodicHook):
             step = session.global_step
             timer.update_last_triggered_step(step)
             self._save(step, run_values.run_metadata, session)
+            if self.profiler is not None and run_values.run_metadata.step_stats is not None:
+                self.profiler.add_step(step, run_values.run_metadata)
 
     def timeline_path(self, step: int, rank: int = 0, world_size: int = 1) -> str:
         """The file a traced `step` is written to."""

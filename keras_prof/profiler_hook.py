@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import os
 
 from core.profiler_hook import DEFAULT_MAX_EVENTS
@@ -32,9 +34,12 @@ class ProfilerHook(HookCallback):
         compress: bool = False,
         max_events: int | None = DEFAULT_MAX_EVENTS,
         tensorboard: bool = True,
+        profiler: Any = None,
+        with_stack: bool = False,
     ) -> None:
         self.hook = CoreProfilerHook(save_steps, save_secs, output_dir, show_dataflow, show_memory,
-                                     compress=compress, max_events=max_events, tensorboard=tensorboard)
+                                     compress=compress, max_events=max_events, tensorboard=tensorboard,
+                                     profiler=profiler, with_stack=with_stack)
         super().__init__([self.hook])
 
     @property

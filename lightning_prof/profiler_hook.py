@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from lightning_prof.hook_callback import HookCallback
 from core.profiler_hook import DEFAULT_MAX_EVENTS
 from core.profiler_hook import ProfilerHook as CoreProfilerHook
@@ -26,6 +28,8 @@ class ProfilerHook(HookCallback):
         max_events: cap on events per timeline (None: no cap); a cut trace says so in its metadata.
         tensorboard: write each traced step's graph and `step_<N>` run metadata for TensorBoard's Graphs
             dashboard into `output_dir` (by default the logger's run directory, beside the scalars).
+        profiler: a `core.profiler.Profiler` that every traced step is added to.
+        with_stack: record Python stacks (the Profiler's code view needs them).
 
     Example::
 
@@ -44,9 +48,11 @@ class ProfilerHook(HookCallback):
         compress: bool = False,
         max_events: int | None = DEFAULT_MAX_EVENTS,
         tensorboard: bool = True,
+        profiler: Any = None,
+        with_stack: bool = False,
     ) -> None:
         self.hook = CoreProfilerHook(save_steps, save_secs, output_dir, show_dataflow, show_memory, ranks,
-                                     compress, max_events, tensorboard)
+                                     compress, max_events, tensorboard, profiler, with_stack)
         super().__init__([self.hook])
 
     @property

@@ -17,6 +17,7 @@ from core.session_run_hook import RunOptions, TraceLevel
 from core.step_stats import NodeExecStats, StepStats
 from core.dataflow import find_edges
 from core.gc_pause import paused_gc
+from core.naming import root_label
 from core.tracing.base import HOST_DEVICE, Tracer, TracerUnavailable
 from core.tracing.execution_trace import ExecutionTrace
 from core.tracing.torch_memory import add_allocations
@@ -50,11 +51,7 @@ _HOST_ACTIVITIES = {"cpu_op", "user_annotation"} | _RUNTIME_ACTIVITIES
 def _module_label(module: Any, local_names: dict[int, str]) -> str:
     """The name a module call gets in scopes: its attribute name in the model, else its own `name`/class."""
     label = local_names.get(id(module))
-    if label is None:
-        label = getattr(module, "name", None)
-        if not isinstance(label, str) or not label:
-            label = type(module).__name__
-    return label
+    return root_label(module) if label is None else label
 
 
 class _ModuleScopes:
@@ -63,8 +60,7 @@ class _ModuleScopes:
     def __init__(self, root: Any) -> None:
         self._local_names: dict[int, str] = {}
         if root is not None:
-            root_label = getattr(root, "name", None)
-            self._local_names[id(root)] = root_label if isinstance(root_label, str) else type(root).__name__
+            self._local_names[id(root)] = root_label(root)
             for path, module in root.named_modules():
                 if path:
                     self._local_names.setdefault(id(module), path.rsplit(".", 1)[-1])
@@ -127,9 +123,11 @@ class TorchTracer(Tracer):
             )
         self._options = options
         use_cuda = torch.cuda.is_available() and options.trace_level >= TraceLevel.HARDWARE_TRACE
+        full = options.trace_level >= TraceLevel.FULL_TRACE
         prof = autograd_profiler.profile(
             use_device="cuda" if use_cuda else None,
-            record_shapes=options.trace_level >= TraceLevel.FULL_TRACE,
+            record_shapes=full,
+            with_flops=full,
             profile_memory=options.record_memory,
             with_stack=options.with_stack,
             use_kineto=True,
@@ -187,19 +185,21 @@ class TorchTracer(Tracer):
     def _collect(self, results: Any, stats: StepStats, execution_trace: ExecutionTrace | None) -> None:
         stats.metadata["trace_start_ns"] = results.trace_start_ns()
         want_ids = execution_trace is not None or self._options.record_memory
-        by_external_id, in_order = _convert(results.events(), stats, want_ids=want_ids)
+        by_external_id, in_order = _convert(results.events(), stats, want_ids, self._options.with_stack)
         if execution_trace is not None:
             stats.edges = find_edges(execution_trace.read(in_order, _TORCH_DTYPES))
         if self._options.record_memory:
             add_allocations(results, stats, by_external_id)
 
 
-def _convert(events: list, stats: StepStats, want_ids: bool = False
+def _convert(events: list, stats: StepStats, want_ids: bool = False, with_stack: bool = False
              ) -> tuple[dict[int, NodeExecStats], dict[tuple[int, str], list[NodeExecStats]]]:
     """Turn kineto events into NodeExecStats: scopes from module spans, phases from autograd and optimizer.
 
     Each pybind accessor costs about a microsecond and `shapes()` + `dtypes()` about eight, so every field
-    is read once, and only for the events that need it. With `want_ids`, returns the op nodes by their
+    is read once, and only for the events that need it. With `with_stack`, each op gets its Python call
+    stack (`args["stack"]`, outermost frame first) from the Python-function spans enclosing it on its
+    thread. With `want_ids`, returns the op nodes by their
     profiler id (the allocations' link to them) and per (thread, op name) in start order (the execution
     trace's link to them).
     """
@@ -208,9 +208,10 @@ def _convert(events: list, stats: StepStats, want_ids: bool = False
     host = stats.device(HOST_DEVICE)
     rows = []
     backward_end = 0  # the end of the step's last backward op: what starts after it is the optimizer's
+    host_activities = _HOST_ACTIVITIES | {"python_function"} if with_stack else _HOST_ACTIVITIES
     for ev in events:
         activity = ev.activity_type()
-        if activity in _HOST_ACTIVITIES:
+        if activity in host_activities:
             start, dur, name = ev.start_ns(), ev.duration_ns(), ev.name()
             if name.startswith(BACKWARD_PREFIX):
                 backward_end = max(backward_end, start + dur)
@@ -226,8 +227,15 @@ def _convert(events: list, stats: StepStats, want_ids: bool = False
     nodes = host.node_stats
     dtype_names = _TORCH_DTYPES
     dtype_cache: dict[tuple, list[str]] = {}
+    frames: dict[int, list[tuple[int, str]]] = {}  # thread -> open Python frames (end_ns, "file(line): func")
     for start, neg_dur, tid, _, activity, name, ev in rows:
         dur = -neg_dur
+        if activity == "python_function":
+            open_frames = frames.setdefault(tid, [])
+            while open_frames and open_frames[-1][0] <= start:
+                open_frames.pop()
+            open_frames.append((start + dur, name))
+            continue
         stack = stacks.get(tid)
         if stack is None:
             stack = stacks[tid] = []
@@ -249,6 +257,15 @@ def _convert(events: list, stats: StepStats, want_ids: bool = False
                     dtypes = dtype_cache.get(raw)
                     if dtypes is None:  # a step has few distinct signatures: map each once, share the list
                         dtypes = dtype_cache[raw] = [dtype_names.get(d, d) for d in raw]
+                flops = ev.flops()
+                if flops:
+                    args = {"flops": flops}
+            if with_stack:
+                open_frames = frames.get(tid)
+                while open_frames and open_frames[-1][0] <= start:
+                    open_frames.pop()
+                if open_frames:
+                    args = {**(args or {}), "stack": [frame for _, frame in open_frames]}
         elif activity == "user_annotation":
             category = "Span"
             if name.startswith(MODULE_PREFIX):

@@ -1,0 +1,206 @@
+"""What the Profiler accumulates over traced steps: per node, per step, the figures tfprof reported.
+
+A node is an op execution of the step (named by its unique node name, stable across identical steps) or a
+parameter of the model (`_trainable_variables`). Per step and node: run count, exclusive CPU time (time in the
+op minus the ops nested in it, so nested ops are never counted twice), accelerator time (kernels attributed
+to the op that launched them), requested/peak/residual/output bytes, float ops. Per step also: the step's
+span, its data wait, and the busy time of its ops, for the advisor. All of it is plain data, serialisable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from core.naming import parameter_scopes
+from core.step_stats import NodeExecStats, StepStats
+
+# per-step figures of a node, by position
+COUNT, MICROS, CPU, ACCEL, BYTES, PEAK, RESIDUAL, OUTPUT, FLOPS = range(9)
+N_FIGURES = 9
+
+
+@dataclasses.dataclass
+class NodeData:
+    """One node across steps. `steps` maps a step to its figures (see the positions above)."""
+
+    name: str
+    op: str
+    scope: str = ""
+    device: str = ""
+    phase: str = ""
+    op_types: list[str] = dataclasses.field(default_factory=list)
+    input_shapes: list = dataclasses.field(default_factory=list)
+    input_dtypes: list = dataclasses.field(default_factory=list)
+    inputs: list[str] = dataclasses.field(default_factory=list)  # producer node names
+    stack: list[str] = dataclasses.field(default_factory=list)
+    params: int = 0
+    steps: dict[int, list[float]] = dataclasses.field(default_factory=dict)
+
+    def figures(self, step: int) -> list[float]:
+        """Figures at `step`, or (step -1) the mean over the steps this node ran in; parameters have no steps."""
+        if not self.steps:
+            return [0.0] * N_FIGURES
+        if step >= 0:
+            return self.steps.get(step) or [0.0] * N_FIGURES
+        n = len(self.steps)
+        return [sum(values) / n for values in zip(*self.steps.values())]
+
+
+@dataclasses.dataclass
+class StepSummary:
+    """Per traced step, for the advisor: its span, data wait, op busy time and what traced it."""
+
+    step: int
+    step_micros: float = 0.0
+    data_wait_micros: float = 0.0
+    busy_micros: float = 0.0
+    gaps: list[tuple[float, float]] = dataclasses.field(default_factory=list)  # (start offset, length) us
+    rank: int = 0
+    accelerator_busy: dict[str, float] = dataclasses.field(default_factory=dict)
+
+
+class ProfileData:
+    """The accumulated nodes and steps; `Profiler` builds its views and advice on it."""
+
+    def __init__(self) -> None:
+        self.nodes: dict[str, NodeData] = {}
+        self.steps: dict[int, StepSummary] = {}
+
+    def add_model(self, model: Any, op_log: dict[str, list[str]] | None = None) -> None:
+        """The model's parameters as `_trainable_variables` (or `_variables`) nodes with their counts."""
+        for name, shape, dtype, trainable in parameter_scopes(model):
+            count = 1
+            for dim in shape:
+                count *= dim
+            node = self.nodes.setdefault(name, NodeData(name, "Parameter", scope=name.rsplit("/", 1)[0]))
+            node.op_types = ["Parameter", "_trainable_variables" if trainable else "_variables"]
+            node.params = count
+            node.input_shapes = [list(shape)]
+            node.input_dtypes = [dtype]
+        for name, types in (op_log or {}).items():
+            node = self.nodes.get(name)
+            if node is None:
+                raise ValueError(f"op_log names {name!r}, which is no node of the model or of a traced step.")
+            node.op_types = sorted(set(node.op_types) | set(types))
+
+    def add_step(self, step: int, stats: StepStats, op_log: dict[str, list[str]] | None = None) -> None:
+        """Accumulate one traced step (adding the same step twice adds up, as TF's add_step did)."""
+        ops = [n for dev in stats.dev_stats for n in dev.node_stats if n.category == "Op"]
+        exclusive = _exclusive_micros(ops)
+        device_of = {id(n): dev.device for dev in stats.dev_stats for n in dev.node_stats}
+        accelerator = _accelerator_micros(stats)
+        allocated: dict[int, list[int]] = {}
+        for alloc in stats.allocations:
+            if alloc.producer is not None:
+                entry = allocated.setdefault(id(alloc.producer), [0, 0])
+                entry[0] += alloc.nbytes
+                if alloc.free_ns is None:
+                    entry[1] += alloc.nbytes
+        producers: dict[int, set[str]] = {}
+        for edge in stats.edges:
+            producers.setdefault(id(edge.consumer), set()).add(edge.producer.node_name)
+        for node in ops:
+            data = self.nodes.get(node.node_name)
+            if data is None:
+                data = self.nodes[node.node_name] = NodeData(
+                    node.node_name, node.op, node.scope, device_of.get(id(node), ""), node.phase,
+                    op_types=[node.op], input_shapes=list(node.input_shapes or []),
+                    input_dtypes=list(node.input_dtypes or []),
+                    stack=list((node.args or {}).get("stack", [])))
+            for source in producers.get(id(node), ()):
+                if source not in data.inputs:
+                    data.inputs.append(source)
+            figures = data.steps.setdefault(step, [0.0] * N_FIGURES)
+            cpu = exclusive.get(id(node), 0.0)
+            accel = accelerator.get(id(node), 0.0)
+            nbytes, residual = allocated.get(id(node), (0, 0))
+            output = sum(t.nbytes or 0 for t in node.outputs or ())
+            figures[COUNT] += 1
+            figures[CPU] += cpu
+            figures[ACCEL] += accel
+            figures[MICROS] += cpu + accel
+            figures[BYTES] += nbytes
+            figures[PEAK] = max(figures[PEAK], nbytes)
+            figures[RESIDUAL] += residual
+            figures[OUTPUT] += output
+            figures[FLOPS] += (node.args or {}).get("flops", 0)
+        for name, types in (op_log or {}).items():
+            if name in self.nodes:
+                self.nodes[name].op_types = sorted(set(self.nodes[name].op_types) | set(types))
+        self.steps[step] = _step_summary(step, stats, ops, self.steps.get(step))
+
+
+def _exclusive_micros(ops: list[NodeExecStats]) -> dict[int, float]:
+    """Each op's own CPU time: its duration less the ops nested in it on its thread."""
+    exclusive: dict[int, float] = {}
+    by_thread: dict[int, list[NodeExecStats]] = {}
+    for node in ops:
+        by_thread.setdefault(node.thread_id, []).append(node)
+    for nodes in by_thread.values():
+        nodes.sort(key=lambda n: (n.start_ns, -n.duration_ns))
+        stack: list[NodeExecStats] = []
+        for node in nodes:
+            while stack and stack[-1].start_ns + stack[-1].duration_ns <= node.start_ns:
+                stack.pop()
+            exclusive[id(node)] = node.duration_ns / 1000
+            if stack:
+                exclusive[id(stack[-1])] -= node.duration_ns / 1000
+            stack.append(node)
+    return {key: max(0.0, value) for key, value in exclusive.items()}
+
+
+def _accelerator_micros(stats: StepStats) -> dict[int, float]:
+    """Kernel time per op that launched it: kernel -> runtime launch (correlation) -> enclosing op."""
+    kernels: dict[int, float] = {}
+    for dev in stats.dev_stats:
+        for node in dev.node_stats:
+            if node.category == "Kernel" and node.args:
+                corr = node.args.get("correlation")
+                kernels[corr] = kernels.get(corr, 0.0) + node.duration_ns / 1000
+    if not kernels:
+        return {}
+    out: dict[int, float] = {}
+    for dev in stats.dev_stats:
+        nodes = sorted(dev.node_stats, key=lambda n: (n.thread_id, n.start_ns, -n.duration_ns))
+        stack: list[NodeExecStats] = []
+        for node in nodes:
+            while stack and (stack[-1].thread_id != node.thread_id
+                             or stack[-1].start_ns + stack[-1].duration_ns <= node.start_ns):
+                stack.pop()
+            if node.category == "Runtime" and node.args and node.args.get("correlation") in kernels:
+                owner = next((n for n in reversed(stack) if n.category == "Op"), None)
+                if owner is not None:
+                    out[id(owner)] = out.get(id(owner), 0.0) + kernels[node.args["correlation"]]
+            if node.category == "Op":
+                stack.append(node)
+    return out
+
+
+def _step_summary(step: int, stats: StepStats, ops: list[NodeExecStats], previous: StepSummary | None
+                  ) -> StepSummary:
+    spans = {n.op: n for dev in stats.dev_stats for n in dev.node_stats if n.category == "Span"}
+    summary = previous or StepSummary(step, rank=int(stats.metadata.get("rank", 0) or 0))
+    train = spans.get("train_step")
+    if train is not None:
+        summary.step_micros += train.duration_ns / 1000
+        # busy: the union of top-level op intervals on the step's main thread; gaps: what is left
+        main = max({n.thread_id for n in ops} or {0}, key=lambda t: sum(1 for n in ops if n.thread_id == t))
+        intervals = sorted((n.start_ns, n.start_ns + n.duration_ns) for n in ops if n.thread_id == main)
+        busy, cursor = 0, train.start_ns
+        for start, end in intervals:
+            if start > cursor:
+                if start - cursor > 50_000:  # 50 us and more: a gap worth naming
+                    summary.gaps.append(((cursor - train.start_ns) / 1000, (start - cursor) / 1000))
+            if end > cursor:
+                busy += end - max(start, cursor)
+                cursor = end
+        summary.busy_micros += busy / 1000
+    wait = spans.get("data_wait")
+    if wait is not None:
+        summary.data_wait_micros += wait.duration_ns / 1000
+    for dev in stats.dev_stats:
+        kernel_time = sum(n.duration_ns for n in dev.node_stats if n.category == "Kernel")
+        if kernel_time:
+            summary.accelerator_busy[dev.device] = summary.accelerator_busy.get(dev.device, 0.0) + kernel_time / 1000
+    return summary

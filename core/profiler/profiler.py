@@ -1,0 +1,147 @@
+"""`Profiler`: tfprof's multi-step profiler over the steps ProfilerHook traces.
+
+    prof = Profiler(model)
+    trainer = Trainer(callbacks=[ProfilerHook(save_steps=100, profiler=prof)])
+    trainer.fit(model, loader)
+    prof.profile_name_scope(ProfileOptionBuilder.trainable_variables_parameter())
+    prof.profile_operations(ProfileOptionBuilder.time_and_memory())
+    prof.advise()
+    open("run.prof", "wb").write(prof.serialize_to_string())
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import sys
+from typing import Any
+
+from core.atomic_file import atomic_write
+from core.profiler import views
+from core.profiler.options import check_options
+from core.profiler.profile_data import ProfileData
+from core.step_stats import StepStats
+
+KEEP_STEP_STATS = 3  # the last traced steps kept whole, for timeline output
+
+
+class Profiler:
+    """TF's `tf.compat.v1.profiler.Profiler(graph=None, op_log=None)`.
+
+    Args:
+        graph: the model (a torch `nn.Module`, a LightningModule, or a keras Model): its parameters become
+            `_trainable_variables` nodes in the scope view, named like the ops' module scopes.
+        op_log: extra op types per node name (TF's OpLogProto as a dict), e.g. `{"net/fc/weight": ["_special"]}`.
+    """
+
+    def __init__(self, graph: Any = None, op_log: dict[str, list[str]] | None = None) -> None:
+        if op_log is not None and not (isinstance(op_log, dict) and all(
+                isinstance(k, str) and isinstance(v, (list, tuple)) and all(isinstance(t, str) for t in v)
+                for k, v in op_log.items())):
+            raise TypeError("`Profiler(op_log=...)` must be a dict of node name -> list of op type names.")
+        self._data = ProfileData()
+        self._op_log = dict(op_log or {})
+        self._recent: collections.OrderedDict[int, StepStats] = collections.OrderedDict()
+        if graph is not None:
+            self._data.add_model(graph, self._op_log)
+
+    @property
+    def data(self) -> ProfileData:
+        """The accumulated nodes and steps (for tools; the views are the usual way in)."""
+        return self._data
+
+    def add_step(self, step: int, run_meta: Any) -> None:
+        """Add one traced step's `RunMetadata` (the same step added twice accumulates)."""
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"add_step(step={step!r}): `step` must be an int >= 0.")
+        stats = getattr(run_meta, "step_stats", run_meta)
+        if not isinstance(stats, StepStats):
+            raise TypeError(f"add_step: `run_meta` must be a RunMetadata of a traced step, got {type(run_meta).__name__}.")
+        self._data.add_step(step, stats, self._op_log)
+        self._recent[step] = stats
+        self._recent.move_to_end(step)
+        while len(self._recent) > KEEP_STEP_STATS:
+            self._recent.popitem(last=False)
+
+    # --- the four views -----------------------------------------------------------------------------------
+
+    def profile_name_scope(self, options: dict[str, Any] | None = None) -> views.ViewNode:
+        """The scope view: module paths as a tree, ops and parameters as leaves."""
+        return self._tree("name_scope", views.scope_tree, options)
+
+    def profile_graph(self, options: dict[str, Any] | None = None) -> views.ViewNode:
+        """The graph view: each op with the producers of its inputs as children."""
+        return self._tree("graph", views.graph_tree, options)
+
+    def profile_python(self, options: dict[str, Any] | None = None) -> views.ViewNode:
+        """The code view: Python call stacks as a tree, op figures at their code lines."""
+        return self._tree("python", views.code_tree, options)
+
+    def profile_operations(self, options: dict[str, Any] | None = None) -> views.OpViewResult:
+        """The op view: one row per op type."""
+        opts = check_options(options, "operations")
+        result = views.op_view(self._data, opts)
+        self._emit(result.text, opts, {n for r in result.rows for n in r.nodes})
+        return result
+
+    def _tree(self, view: str, build, options: dict[str, Any] | None) -> views.ViewNode:
+        opts = check_options(options, view)
+        root = views.apply_options(build(self._data, opts), opts, lift_hidden=view == "python")
+        root.text = views.tree_text(root, opts)
+        self._emit(root.text, opts, {n.name for n in root.walk()})
+        return root
+
+    def _emit(self, text: str, opts: dict[str, Any], shown: set[str]) -> None:
+        kind, path = opts["_output"]
+        if kind == "stdout":
+            sys.stdout.write(text)
+        elif kind == "file":
+            with atomic_write(os.path.abspath(path)) as f:
+                f.write(text.encode())
+        elif kind == "timeline":
+            self._write_timeline(path, opts["step"], shown)
+        elif kind == "pprof":
+            raise ValueError("output 'pprof:outfile=...' is not available yet; use 'file:outfile=...', "
+                             "'timeline:outfile=...' or 'stdout'.")
+
+    def _write_timeline(self, path: str, step: int, shown: set[str]) -> None:
+        """TF's timeline output: the chosen step (the last traced one for step -1), displayed ops only."""
+        from core.step_stats import DeviceStepStats
+        from core.timeline import ChromeTraceWriter
+
+        if not self._recent:
+            raise ValueError("timeline output needs a traced step; add_step has not been called.")
+        chosen = next(reversed(self._recent)) if step < 0 else step
+        stats = self._recent.get(chosen)
+        if stats is None:
+            raise ValueError(f"timeline output: step {chosen} is not among the last {KEEP_STEP_STATS} traced steps "
+                             f"{list(self._recent)}; pick one of them with with_step().")
+        kept = StepStats(step=chosen, metadata=dict(stats.metadata), edges=[
+            e for e in stats.edges if e.producer.node_name in shown and e.consumer.node_name in shown])
+        for dev in stats.dev_stats:
+            kept.dev_stats.append(DeviceStepStats(dev.device, [
+                n for n in dev.node_stats if n.category != "Op" or n.node_name in shown], dict(dev.thread_names)))
+        ChromeTraceWriter(show_dataflow=True).write(kept, os.path.abspath(path))
+
+    # --- advice and persistence ---------------------------------------------------------------------------
+
+    def advise(self, options: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Run the checkers (default: all, as TF's ALL_ADVICE) and return their ranked reports."""
+        from core.profiler.advisor import advise
+
+        return advise(self._data, options)
+
+    def serialize_to_string(self) -> bytes:
+        """The accumulated profile as bytes in hookprof's versioned format (see core.profiler.serialize)."""
+        from core.profiler.serialize import dumps
+
+        return dumps(self._data)
+
+    @classmethod
+    def load(cls, data: bytes, max_bytes: int | None = None) -> Profiler:
+        """A Profiler from `serialize_to_string()` output; refuses foreign, truncated or oversized input."""
+        from core.profiler.serialize import DEFAULT_MAX_BYTES, loads
+
+        profiler = cls()
+        profiler._data = loads(data, DEFAULT_MAX_BYTES if max_bytes is None else max_bytes)
+        return profiler
