@@ -199,7 +199,8 @@ def _tensor_flows(stats: StepStats, base: int) -> Iterable[dict[str, Any]]:
     for flow_id, edge in enumerate(stats.edges, start=1 << 32):  # above any kernel correlation id
         producer, consumer, tensor = edge.producer, edge.consumer, edge.tensor
         end_us = (producer.start_ns + producer.duration_ns - base) / 1000
-        args = {"dtype": tensor.dtype, "shape": list(tensor.shape), "bytes": tensor.nbytes}
+        args = {"dtype": tensor.dtype, "shape": list(tensor.shape), "bytes": tensor.nbytes,
+                "producer": producer.node_name, "consumer": consumer.node_name}
         yield {"ph": "s", "cat": "DataFlow", "name": edge.name, "id": flow_id, "pid": pids[id(producer)],
                "tid": producer.thread_id, "ts": end_us - min(0.001, producer.duration_ns / 2000), "args": args}
         yield {"ph": "t", "cat": "DataFlow", "name": edge.name, "id": flow_id, "pid": pids[id(consumer)],

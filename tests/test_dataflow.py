@@ -43,7 +43,8 @@ def test_forward_flow_from_the_matmul_to_the_relu(traced):
     # the arrow carries the tensor: the 8x16 float32 pre-activation
     edge = next(s for p, c, s, _ in flows if p["args"]["name"] == "TinyModel/fc1/aten::addmm"
                 and c["args"]["name"] == "TinyModel/aten::relu")
-    assert edge["args"] == {"dtype": "float32", "shape": [8, 16], "bytes": 512}
+    assert edge["args"] == {"dtype": "float32", "shape": [8, 16], "bytes": 512,
+                            "producer": "TinyModel/fc1/aten::addmm", "consumer": "TinyModel/aten::relu"}
     assert edge["name"] == "TinyModel/fc1/aten::addmm:0" and edge["cat"] == "DataFlow"
 
 

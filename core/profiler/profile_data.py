@@ -121,7 +121,7 @@ class ProfileData:
             figures[ACCEL] += accel
             figures[MICROS] += cpu + accel
             figures[BYTES] += nbytes
-            figures[PEAK] = max(figures[PEAK], nbytes)
+            figures[PEAK] = max(figures[PEAK], float(nbytes))
             figures[RESIDUAL] += residual
             figures[OUTPUT] += output
             figures[FLOPS] += (node.args or {}).get("flops", 0)

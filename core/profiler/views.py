@@ -384,7 +384,7 @@ def op_view(profile: ProfileData, options: dict[str, Any]) -> OpViewResult:
             if attr == "occurrence":
                 parts.append(f"{int(value)}|{row.defined}")
             else:
-                parts.append(f"{format_value(attr, value)} ({100 * remaining[attr] / total:.2f}%, "
+                parts.append(f"{format_value(attr, value)} ({max(0.0, 100 * remaining[attr] / total):.2f}%, "
                              f"{100 * value / total:.2f}%)")
             remaining[attr] -= value
         lines.append(f"{row.name:<{width}} {', '.join(parts)}")

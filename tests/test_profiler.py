@@ -1,0 +1,339 @@
+"""The multi-step Profiler on real Lightning fits: views, every option, advice on planted problems, files."""
+
+import os
+import re
+import struct
+import subprocess
+import sys
+import time
+import zlib
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from core.profiler import Profiler, ProfileFormatError, ProfileOptionBuilder as B
+from core.profiler.serialize import MAGIC
+from core.trace_summary import load_trace
+from lightning_prof import ProfilerHook
+from tests.lightning_models import TinyModel, loader, trainer
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def quiet(options):
+    return {**options, "output": "none"}
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("prof"))
+    model = TinyModel()
+    prof = Profiler(model)
+    hook = ProfilerHook(save_steps=2, output_dir=out, profiler=prof, with_stack=True, show_memory=True,
+                        tensorboard=False)
+    trainer(out, [hook], 6).fit(model, loader())
+    return prof, hook.saved_paths
+
+
+def names(root):
+    return [n.name for n in root.walk()]
+
+
+def test_scope_view_counts_parameters_per_module_exactly(run):
+    prof, _ = run
+    root = prof.profile_name_scope(quiet(B.trainable_variables_parameter()))
+    totals = {n.name: n.total_parameters for n in root.walk()}
+    assert totals == {"_TFProfRoot": 161, "TinyModel": 161, "TinyModel/fc1": 144, "TinyModel/fc1/bias": 16,
+                      "TinyModel/fc1/weight": 128, "TinyModel/fc2": 17, "TinyModel/fc2/bias": 1,
+                      "TinyModel/fc2/weight": 16}
+    assert "TinyModel (0/161 params)" in root.text and "TinyModel/fc1/weight (128/128 params)" in root.text
+
+
+def _exclusive_op_micros(path):
+    """Independently of the Profiler: each Op event's duration less the Op events nested in it."""
+    events = [e for e in load_trace(path)["traceEvents"] if e["ph"] == "X" and e["cat"] == "Op"]
+    by_thread = {}
+    for e in events:
+        by_thread.setdefault((e["pid"], e["tid"]), []).append(e)
+    for items in by_thread.values():
+        items.sort(key=lambda e: (e["ts"], -e["dur"]))
+    own = {id(e): e["dur"] for e in events}
+    for items in by_thread.values():
+        stack = []
+        for e in items:
+            while stack and stack[-1]["ts"] + stack[-1]["dur"] <= e["ts"]:
+                stack.pop()
+            if stack:
+                own[id(stack[-1])] -= e["dur"]
+            stack.append(e)
+    return sum(max(0.0, v) for v in own.values())
+
+
+def test_op_view_total_is_the_sum_of_the_steps_op_times(run):
+    prof, paths = run
+    for path in paths:
+        step = int(os.path.basename(path)[9:-5])
+        result = prof.profile_operations(quiet({"step": step, "select": ["micros"], "order_by": "micros"}))
+        ours = sum(r.self_["micros"] for r in result.rows)
+        assert ours == pytest.approx(_exclusive_op_micros(path), rel=1e-3)
+        assert re.search(r"\(100\.00%, [\d.]+%\)", result.text.splitlines()[1])  # first row: 100% accumulated
+
+
+def test_step_minus_one_is_the_mean_over_the_steps_a_node_ran_in(run):
+    prof, _ = run
+    node = prof.data.nodes["TinyModel/fc1/aten::addmm"]
+    assert sorted(node.steps) == [2, 4, 6]
+    per_step = [prof.profile_operations(quiet({"step": s, "account_type_regexes": ["aten::addmm"]})).rows[0].self_["micros"]
+                for s in (2, 4, 6)]
+    mean = prof.profile_operations(quiet({"step": -1, "account_type_regexes": ["aten::addmm"]})).rows[0].self_["micros"]
+    assert mean == pytest.approx(sum(per_step) / 3)
+    ran = [r for r in prof.profile_operations(quiet({"step": 3})).rows if r.self_["occurrence"]]
+    assert ran == []  # step 3 was not traced: nothing ran in it (parameters, step-independent, remain)
+
+
+SCOPE_TIME = {"select": ["micros", "bytes", "params", "occurrence", "float_ops"], "order_by": "name"}
+
+
+def shown(prof, **options):
+    return [n for n in prof.profile_name_scope(quiet({**SCOPE_TIME, **options})).walk() if n.name != "_TFProfRoot"]
+
+
+@pytest.mark.parametrize("option,value,attr", [
+    ("min_micros", 40, "micros"), ("min_cpu_micros", 40, "cpu_micros"), ("min_bytes", 100, "bytes"),
+    ("min_peak_bytes", 100, "peak_bytes"), ("min_output_bytes", 100, "output_bytes"),
+    ("min_residual_bytes", 1, "residual_bytes"), ("min_params", 20, "params"), ("min_float_ops", 100, "float_ops"),
+    ("min_occurrence", 2, "occurrence"), ("min_accelerator_micros", 1, "accelerator_micros"),
+])
+def test_each_min_option_keeps_exactly_the_nodes_whose_totals_reach_it(run, option, value, attr):
+    prof, _ = run
+    every = shown(prof)
+    kept = shown(prof, **{option: value})
+    assert all(n.total[attr] >= value for n in kept)
+    reaching = {n.name for n in every if n.total[attr] >= value}
+    assert {n.name for n in kept} == reaching
+    assert len(kept) < len(every)  # the option did something
+
+
+def test_max_depth(run):
+    prof, _ = run
+    assert {n.depth for n in shown(prof, max_depth=1)} == {1}
+    assert max(n.depth for n in shown(prof, max_depth=2)) == 2
+
+
+def test_order_by(run):
+    prof, _ = run
+    root = prof.profile_name_scope(quiet({**SCOPE_TIME, "order_by": "micros"}))
+    for node in root.walk():
+        micros = [c.total["micros"] for c in node.children]
+        assert micros == sorted(micros, reverse=True)
+    root = prof.profile_name_scope(quiet({**SCOPE_TIME, "order_by": "name"}))
+    for node in root.walk():
+        assert [c.name for c in node.children] == sorted(c.name for c in node.children)
+
+
+def test_select_picks_the_columns(run):
+    prof, _ = run
+    text = prof.profile_name_scope(quiet({"select": ["bytes", "occurrence"]})).text
+    assert text.splitlines()[0] == "node name | requested bytes | occurrence"
+    assert re.search(r"TinyModel/fc1/aten::addmm \(\d+B/\d+B, 1/1\)", text)
+
+
+def test_name_regex_options(run):
+    prof, _ = run
+    starts = prof.profile_name_scope(quiet({**SCOPE_TIME, "start_name_regexes": ["TinyModel/fc1"]}))
+    assert [c.name for c in starts.children] == ["TinyModel/fc1"]
+    assert not any("fc2" in n for n in names(prof.profile_name_scope(quiet({**SCOPE_TIME, "trim_name_regexes": [".*fc2"]}))))
+    show = shown(prof, show_name_regexes=[".*addmm.*"])
+    assert show and all(re.fullmatch(".*addmm.*", n.name) for n in show)
+    assert not any(re.fullmatch(".*addmm.*", n.name) for n in shown(prof, hide_name_regexes=[".*addmm.*"]))
+    assert shown(prof, show_name_regexes=["addmm"]) == []  # full match: a bare substring does not match
+
+
+def test_account_type_regexes_and_account_displayed_op_only(run):
+    prof, _ = run
+    rows = prof.profile_operations(quiet({"account_type_regexes": ["aten::(addmm|mm)"]})).rows
+    assert sorted(r.name for r in rows) == ["aten::addmm", "aten::mm"]
+    everything = prof.profile_name_scope(quiet({**SCOPE_TIME, "show_name_regexes": ["TinyModel/fc1.*"],
+                                                "account_displayed_op_only": False}))
+    displayed = prof.profile_name_scope(quiet({**SCOPE_TIME, "show_name_regexes": ["TinyModel/fc1.*"],
+                                               "account_displayed_op_only": True}))
+    # the root's total counts every op when not restricted, only fc1's ops when it is
+    assert displayed.total_exec_micros < everything.total_exec_micros
+    fc1 = sum(n.exec_micros for n in displayed.walk() if n.name.startswith("TinyModel/fc1"))
+    assert displayed.total_exec_micros == pytest.approx(fc1)
+
+
+def test_graph_view_children_are_the_producers_of_inputs(run):
+    prof, _ = run
+    root = prof.profile_graph(quiet({"select": ["micros"], "max_depth": 100}))
+    relu = next(n for n in root.walk() if n.name == "TinyModel/aten::relu")
+    assert "TinyModel/fc1/aten::addmm" in [c.name for c in relu.children]
+    assert relu.depth + 1 == relu.children[0].depth  # depth = hops
+
+
+def test_code_view_names_the_users_lines(run):
+    prof, _ = run
+    opts = B(B.time_and_memory(min_bytes=0)).with_node_names(show_name_regexes=[".*lightning_models.py.*"]).build()
+    root = prof.profile_python(quiet(opts))
+    lines = {n.name: n.total_exec_micros for n in root.walk() if n.name != "_TFProfRoot"}
+    assert any(name.endswith(": forward") for name in lines) and any(name.endswith(": training_step") for name in lines)
+    assert all(v > 0 for v in lines.values())
+
+
+def test_outputs_file_timeline_none(run, tmp_path, capsys):
+    prof, _ = run
+    prof.profile_operations({"output": f"file:outfile={tmp_path / 'ops.txt'}"})
+    assert open(tmp_path / "ops.txt").read().startswith("node name | total execution time")
+    prof.profile_graph({**B.time_and_memory(), "step": 4, "output": f"timeline:outfile={tmp_path / 'g.json'}"})
+    trace = load_trace(str(tmp_path / "g.json"))
+    assert trace["metadata"]["step"] == 4 and any(e.get("name") == "aten::addmm" for e in trace["traceEvents"])
+    prof.profile_operations({"output": "stdout"})
+    assert capsys.readouterr().out.startswith("node name | total execution time")
+    prof.profile_operations({"output": "none"})
+    assert capsys.readouterr().out == ""
+
+
+@pytest.mark.parametrize("options,pattern", [
+    ({"min_micro": 1}, r"unknown option\(s\) \['min_micro'\]"),
+    ({"show_name_regexes": ["(unclosed"]}, r"'show_name_regexes' has an invalid regex '\(unclosed'"),
+    ({"order_by": "speed"}, r"'order_by' must be one of"),
+    ({"select": ["micros", "nope"]}, r"'select' has unknown attribute\(s\) \['nope'\]"),
+    ({"max_depth": -1}, r"'max_depth' must be an int >= 0"),
+    ({"step": -2}, r"'step' must be -1"),
+    ({"output": "file:out.txt"}, r"must look like 'file:outfile=PATH'"),
+    ({"hide_name_regexes": ".*"}, r"'hide_name_regexes' must be a list of regexes"),
+])
+def test_bad_options_name_the_option(run, options, pattern):
+    prof, _ = run
+    with pytest.raises(ValueError, match=pattern):
+        prof.profile_name_scope(options)
+
+
+def test_builder_presets_and_setters():
+    built = (B(B.time_and_memory(min_micros=5)).with_max_depth(3).with_min_memory(min_bytes=7)
+             .with_node_names(show_name_regexes=["a.*"], hide_name_regexes=["b"]).order_by("bytes")
+             .select(["bytes"]).with_step(2).account_displayed_op_only(False).with_file_output("x.txt").build())
+    assert built["min_micros"] == 5 and built["min_bytes"] == 7  # each setter sets its own fields only
+    assert (built["max_depth"], built["order_by"], built["select"], built["step"]) == (3, "bytes", ["bytes"], 2)
+    assert built["show_name_regexes"] == ["a.*"] and built["output"] == "file:outfile=x.txt"
+    assert B.trainable_variables_parameter()["account_type_regexes"] == ["_trainable_variables"]
+    assert B.float_operation()["order_by"] == "float_ops"
+
+
+# --- advice on planted problems -------------------------------------------------------------------------
+
+class ItemInForward(TinyModel):
+    def forward(self, x):
+        h = torch.relu(self.fc1(x))
+        if h.mean().item() > 1e9:  # a host sync planted in forward
+            h = h * 0
+        return self.fc2(h)
+
+
+class Float64Head(TinyModel):
+    def __init__(self):
+        super().__init__()
+        self.head64 = torch.nn.Linear(1, 1).double()
+
+    def forward(self, x):
+        return self.head64(self.fc2(torch.relu(self.fc1(x))).double()).float()
+
+
+class SleepyData(Dataset):
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        time.sleep(0.003)  # 8 items a batch: ~24 ms of loading per step
+        return torch.randn(8), torch.randn(1)
+
+
+def advice_for(model, tmp_dir, data=None):
+    prof = Profiler(model)
+    hook = ProfilerHook(save_steps=1, output_dir=tmp_dir, profiler=prof, with_stack=True, tensorboard=False)
+    trainer(tmp_dir, [hook], 4).fit(model, data or loader())
+    return prof.advise()
+
+
+def test_advisor_names_a_host_sync_in_forward_with_its_module_and_line(tmp_dir):
+    advice = advice_for(ItemInForward(), tmp_dir)
+    syncs = advice["HostSyncChecker"]["findings"]
+    item = next(f for f in syncs if f["evidence"]["op"] in ("aten::item", "aten::_local_scalar_dense"))
+    assert item["evidence"]["scope"] == "ItemInForward"
+    assert re.search(r"test_profiler\.py\(\d+\): forward", item["evidence"]["code_line"])
+    assert "ItemInForward at " in item["report"] and ".item()" in item["report"]
+
+
+def test_advisor_finds_float64_compute_in_the_module(tmp_dir):
+    advice = advice_for(Float64Head(), tmp_dir)
+    reports = advice["OperationChecker"]["reports"]
+    assert any(r.startswith("float64 compute in Float64Head/head64") for r in reports), reports
+
+
+def test_advisor_finds_an_input_bound_loop(tmp_dir):
+    advice = advice_for(TinyModel(), tmp_dir, DataLoader(SleepyData(), batch_size=8))
+    finding = advice["InputPipelineChecker"]["findings"][0]
+    assert finding["evidence"]["data_wait_share"] > 0.5  # most of the time goes to loading
+    assert list(advice)[0] == "InputPipelineChecker"  # the most severe checker comes first
+
+
+def test_advise_selects_checkers_and_names_unknown_ones(run):
+    prof, _ = run
+    assert list(prof.advise({"HostSyncChecker": {}})) == ["HostSyncChecker"]
+    with pytest.raises(ValueError, match=r"unknown checker\(s\) \['GPUChecker'\]"):
+        prof.advise({"GPUChecker": {}})
+
+
+# --- serialized profiles ----------------------------------------------------------------------------------
+
+def test_serialize_load_in_a_fresh_process_gives_identical_reports(run, tmp_path):
+    prof, _ = run
+    path = tmp_path / "run.prof"
+    path.write_bytes(prof.serialize_to_string())
+    expected_ops = prof.profile_operations(quiet({"order_by": "micros", "select": ["micros", "bytes"]})).text
+    expected_scope = prof.profile_name_scope(quiet({"select": ["micros", "bytes"]})).text
+    for view, expected in (("op", expected_ops), ("scope", expected_scope)):
+        done = subprocess.run([sys.executable, "-m", "core.cli", "profile", str(path), "--view", view,
+                               "--order-by", "micros" if view == "op" else "name", "--select", "micros,bytes"],
+                              capture_output=True, text=True, cwd=REPO, timeout=120)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout == expected
+    loaded = Profiler.load(path.read_bytes())
+    assert loaded.advise() == prof.advise()
+    assert loaded.serialize_to_string() == prof.serialize_to_string()
+
+
+def test_reports_from_timelines_match_the_live_profile(run):
+    prof, paths = run
+    from core.cli import load_profiler
+
+    offline = load_profiler(paths)  # no model: the parameter rows are the live profile's only extra
+    opts = quiet({"order_by": "micros", "select": ["micros", "bytes", "occurrence"],
+                  "hide_name_regexes": ["Parameter", "_trainable_variables"]})
+    assert offline.profile_operations(opts).text == prof.profile_operations(opts).text
+
+
+def test_malformed_and_hostile_files_are_refused(run):
+    prof, _ = run
+    good = prof.serialize_to_string()
+    header = len(MAGIC) + 12
+    cases = {
+        "truncated": good[: len(good) // 2],
+        "header only": good[:header - 3],
+        "random bytes": os.urandom(4096),
+        "foreign": b'{"traceEvents": []}',
+        "wrong version": MAGIC + struct.pack("<IQ", 99, 10) + zlib.compress(b"{}"),
+        "huge declared": MAGIC + struct.pack("<IQ", 1, 1 << 40) + zlib.compress(b"0" * 1000),
+        "bomb": MAGIC + struct.pack("<IQ", 1, 100) + zlib.compress(b" " * (50 << 20)),
+        "not json": MAGIC + struct.pack("<IQ", 1, 5) + zlib.compress(b"hello"),
+        "wrong types": MAGIC + struct.pack("<IQ", 1, 70) + zlib.compress(
+            b'{"format":"hookprof.profile","version":1,"nodes":[{"name":3}],"steps":[]}'.ljust(70)),
+        "pickle": b"\x80\x04\x95" + os.urandom(100),
+    }
+    for label, blob in cases.items():
+        with pytest.raises(ProfileFormatError) as info:
+            Profiler.load(blob)
+        assert "profile" in str(info.value), label
+    with pytest.raises(ProfileFormatError, match="over the limit"):
+        Profiler.load(good, max_bytes=10)
