@@ -30,6 +30,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/hook_step_cost.py
 	$(BIN)/python bench/trace_size.py
 	$(BIN)/python bench/writer_throughput.py
+	$(BIN)/python bench/profiler_reports.py
 
 clean:
 	rm -rf $(VENV) runs lightning_logs .pytest_cache

@@ -89,6 +89,7 @@ class ViewNode:
     total: dict[str, float] = dataclasses.field(default_factory=lambda: dict.fromkeys(ATTRS, 0.0))
     children: list[ViewNode] = dataclasses.field(default_factory=list)
     accounted: bool = False
+    fixed_totals: bool = False  # the view computed totals itself (the graph view: over the input DAG)
     text: str = ""  # the whole view's text, on the root
 
     def __getattr__(self, name: str) -> float:  # TF's field names: exec_micros, total_exec_micros, parameters...
@@ -176,22 +177,52 @@ def scope_tree(profile: ProfileData, options: dict[str, Any]) -> ViewNode:
     return root
 
 
+GRAPH_DEPTH_LIMIT = 200  # the graph view's tree stops here (a text tree deeper than this is unreadable)
+
+
 def graph_tree(profile: ProfileData, options: dict[str, Any]) -> ViewNode:
-    ops = {n.name: n for n in profile.nodes.values() if n.steps and _included(n, options["step"])}
+    """Each op with the producers of its inputs as children, built breadth-first to the depth shown; a node
+    reached again is shown, not expanded again (the graph is a DAG). Totals cover each node's whole input
+    graph (every accounted ancestor once), however deep, and are fixed here."""
+    step = options["step"]
+    ops = {n.name: n for n in profile.nodes.values() if n.steps and _included(n, step)}
     consumed = {source for n in ops.values() for source in n.inputs if source in ops}
+    limit = min(options["max_depth"], GRAPH_DEPTH_LIMIT)
     root = ViewNode(ROOT)
     expanded: set[str] = set()
-
-    def build(name: str) -> ViewNode:
-        node = _leaf(ops[name], name, options)
-        if name not in expanded:  # a node reached again is shown, not expanded again (the graph is a DAG)
-            expanded.add(name)
-            node.children = [build(source) for source in ops[name].inputs if source in ops]
-        return node
-
+    queue = []
     for name in ops:
         if name not in consumed:
-            root.children.append(build(name))
+            node = _leaf(ops[name], name, options)
+            root.children.append(node)
+            queue.append((node, 1))
+    while queue:
+        node, depth = queue.pop()
+        if node.name in expanded or depth >= limit:
+            continue
+        expanded.add(node.name)
+        for source in ops[node.name].inputs:
+            if source in ops:
+                child = _leaf(ops[source], source, options)
+                node.children.append(child)
+                queue.append((child, depth + 1))
+    leaves = {name: _leaf(data, name, options) for name, data in ops.items()}
+    stack = [root]
+    while stack:  # totals over the whole input graph, each accounted ancestor once
+        node = stack.pop()
+        stack.extend(node.children)
+        seen, todo, total = set(), [node.name] if node is not root else list(ops), dict.fromkeys(ATTRS, 0.0)
+        while todo:
+            name = todo.pop()
+            if name in seen or name not in ops:
+                continue
+            seen.add(name)
+            if leaves[name].accounted:
+                for attr in ATTRS:
+                    total[attr] += leaves[name].self_[attr]
+            todo.extend(ops[name].inputs)
+        node.total = total
+    root.fixed_totals = True
     return root
 
 
@@ -235,10 +266,11 @@ def apply_options(root: ViewNode, options: dict[str, Any], lift_hidden: bool = F
     if [p.pattern for p in starts] != [".*"]:
         root.children = list(_start_nodes(root, starts))
         _set_depths(root, 0)
-    _totals(root, lambda node: node.accounted)
+    if not root.fixed_totals:
+        _totals(root, lambda node: node.accounted)
     # a node with nothing accounted in its subtree is not shown (the parameter view lists no ops)
     shown = {id(n) for n in root.walk() if n is root or (_has_accounted(n) and _should_show(n, options))}
-    if options["account_displayed_op_only"] and not lift_hidden:
+    if options["account_displayed_op_only"] and not lift_hidden and not root.fixed_totals:
         _totals(root, lambda node: node.accounted and id(node) in shown)
     root.children = _displayed(root.children, shown)
     _order(root, options["order_by"])
