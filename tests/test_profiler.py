@@ -194,6 +194,26 @@ def test_outputs_file_timeline_none(run, tmp_path, capsys):
     assert capsys.readouterr().out == ""
 
 
+def test_pprof_output_of_the_code_view(run, tmp_path):
+    import gzip
+
+    from core.profiler.pprof import _classes
+
+    prof, _ = run
+    path = tmp_path / "code.pb.gz"
+    prof.profile_python({**B.time_and_memory(min_bytes=0), "output": f"pprof:outfile={path}"})
+    profile = _classes()["Profile"].FromString(gzip.decompress(path.read_bytes()))
+    strings = list(profile.string_table)
+    assert strings[0] == "" and [strings[t.type] for t in profile.sample_type] == ["time", "requested_bytes"]
+    functions = {f.id: strings[f.name] for f in profile.function}
+    addmm = [s for s in profile.sample if functions[s.location_id[0]] == "aten::addmm"]
+    assert addmm and all(s.value[0] >= 0 for s in addmm)
+    callers = {functions[i] for s in addmm for i in s.location_id[1:]}
+    assert {"forward", "training_step"} <= callers  # the user's frames are in the stacks
+    with pytest.raises(ValueError, match="for the code view"):
+        prof.profile_operations({"output": f"pprof:outfile={path}"})
+
+
 @pytest.mark.parametrize("options,pattern", [
     ({"min_micro": 1}, r"unknown option\(s\) \['min_micro'\]"),
     ({"show_name_regexes": ["(unclosed"]}, r"'show_name_regexes' has an invalid regex '\(unclosed'"),

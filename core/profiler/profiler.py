@@ -81,17 +81,17 @@ class Profiler:
         """The op view: one row per op type."""
         opts = check_options(options, "operations")
         result = views.op_view(self._data, opts)
-        self._emit(result.text, opts, {n for r in result.rows for n in r.nodes})
+        self._emit(result.text, opts, {n for r in result.rows for n in r.nodes}, "operations")
         return result
 
     def _tree(self, view: str, build, options: dict[str, Any] | None) -> views.ViewNode:
         opts = check_options(options, view)
         root = views.apply_options(build(self._data, opts), opts, lift_hidden=view == "python")
         root.text = views.tree_text(root, opts)
-        self._emit(root.text, opts, {n.name for n in root.walk()})
+        self._emit(root.text, opts, {n.name for n in root.walk()}, view)
         return root
 
-    def _emit(self, text: str, opts: dict[str, Any], shown: set[str]) -> None:
+    def _emit(self, text: str, opts: dict[str, Any], shown: set[str], view: str) -> None:
         kind, path = opts["_output"]
         if kind == "stdout":
             sys.stdout.write(text)
@@ -101,8 +101,11 @@ class Profiler:
         elif kind == "timeline":
             self._write_timeline(path, opts["step"], shown)
         elif kind == "pprof":
-            raise ValueError("output 'pprof:outfile=...' is not available yet; use 'file:outfile=...', "
-                             "'timeline:outfile=...' or 'stdout'.")
+            if view != "python":
+                raise ValueError("output 'pprof:outfile=...' is for the code view: use it with profile_python().")
+            from core.profiler.pprof import write_pprof
+
+            write_pprof(os.path.abspath(path), self._data, opts["step"])
 
     def _write_timeline(self, path: str, step: int, shown: set[str]) -> None:
         """TF's timeline output: the chosen step (the last traced one for step -1), displayed ops only."""
