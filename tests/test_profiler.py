@@ -357,3 +357,25 @@ def test_malformed_and_hostile_files_are_refused(run):
         assert "profile" in str(info.value), label
     with pytest.raises(ProfileFormatError, match="over the limit"):
         Profiler.load(good, max_bytes=10)
+
+
+def test_adding_the_same_step_twice_accumulates_and_op_log_adds_types():
+    from core.step_stats import NodeExecStats, StepStats
+
+    def stats():
+        s = StepStats()
+        s.device("/host:CPU").node_stats.append(NodeExecStats("net/fc/aten::mm", "aten::mm", 0, 5_000, 1, "net/fc"))
+        return s
+
+    model = torch.nn.Linear(2, 2)
+    prof = Profiler(model, op_log={"Linear/weight": ["_special"]})
+    prof.add_step(1, stats())
+    prof.add_step(1, stats())
+    row = prof.profile_operations(quiet({"step": 1, "account_type_regexes": ["aten::mm"]})).rows[0]
+    assert row.self_["micros"] == 10.0 and row.self_["occurrence"] == 2
+    special = prof.profile_name_scope(quiet({"account_type_regexes": ["_special"], "select": ["params"]}))
+    assert [n.name for n in special.walk()][-1] == "Linear/weight" and special.total_parameters == 4
+    with pytest.raises(ValueError, match="op_log names 'nope'"):
+        Profiler(model, op_log={"nope": ["x"]})
+    with pytest.raises(ValueError, match=r"add_step\(step=-1\)"):
+        prof.add_step(-1, stats())
