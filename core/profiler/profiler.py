@@ -17,6 +17,7 @@ import sys
 from typing import Any
 
 from core.atomic_file import atomic_write
+from core.gc_pause import paused_gc
 from core.profiler import views
 from core.profiler.options import check_options
 from core.profiler.profile_data import ProfileData
@@ -57,7 +58,8 @@ class Profiler:
         stats = getattr(run_meta, "step_stats", run_meta)
         if not isinstance(stats, StepStats):
             raise TypeError(f"add_step: `run_meta` must be a RunMetadata of a traced step, got {type(run_meta).__name__}.")
-        self._data.add_step(step, stats, self._op_log)
+        with paused_gc():
+            self._data.add_step(step, stats, self._op_log)
         self._recent[step] = stats
         self._recent.move_to_end(step)
         while len(self._recent) > KEEP_STEP_STATS:
@@ -80,14 +82,16 @@ class Profiler:
     def profile_operations(self, options: dict[str, Any] | None = None) -> views.OpViewResult:
         """The op view: one row per op type."""
         opts = check_options(options, "operations")
-        result = views.op_view(self._data, opts)
+        with paused_gc():
+            result = views.op_view(self._data, opts)
         self._emit(result.text, opts, {n for r in result.rows for n in r.nodes}, "operations")
         return result
 
     def _tree(self, view: str, build, options: dict[str, Any] | None) -> views.ViewNode:
         opts = check_options(options, view)
-        root = views.apply_options(build(self._data, opts), opts, lift_hidden=view == "python")
-        root.text = views.tree_text(root, opts)
+        with paused_gc():
+            root = views.apply_options(build(self._data, opts), opts, lift_hidden=view == "python")
+            root.text = views.tree_text(root, opts)
         self._emit(root.text, opts, {n.name for n in root.walk()}, view)
         return root
 
@@ -132,13 +136,15 @@ class Profiler:
         """Run the checkers (default: all, as TF's ALL_ADVICE) and return their ranked reports."""
         from core.profiler.advisor import advise
 
-        return advise(self._data, options)
+        with paused_gc():
+            return advise(self._data, options)
 
     def serialize_to_string(self) -> bytes:
         """The accumulated profile as bytes in hookprof's versioned format (see core.profiler.serialize)."""
         from core.profiler.serialize import dumps
 
-        return dumps(self._data)
+        with paused_gc():
+            return dumps(self._data)
 
     @classmethod
     def load(cls, data: bytes, max_bytes: int | None = None) -> Profiler:
@@ -146,5 +152,6 @@ class Profiler:
         from core.profiler.serialize import DEFAULT_MAX_BYTES, loads
 
         profiler = cls()
-        profiler._data = loads(data, DEFAULT_MAX_BYTES if max_bytes is None else max_bytes)
+        with paused_gc():
+            profiler._data = loads(data, DEFAULT_MAX_BYTES if max_bytes is None else max_bytes)
         return profiler
