@@ -31,6 +31,8 @@ bench: $(STAMP)
 	$(BIN)/python bench/trace_size.py
 	$(BIN)/python bench/writer_throughput.py
 	$(BIN)/python bench/profiler_reports.py
+	KERAS_BACKEND=torch $(BIN)/python bench/idle_fit_overhead.py
+	$(BIN)/python bench/long_run_stability.py
 
 clean:
 	rm -rf $(VENV) runs lightning_logs .pytest_cache
