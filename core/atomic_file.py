@@ -1,13 +1,46 @@
-"""Write a file so that readers see either nothing or the whole file: temp file, then rename."""
+"""Write a file so that readers see either nothing or the whole file: temp file, then rename.
+
+Temp files are hidden siblings named `.<name>.<pid>.<random>.tmp`; a process killed mid-write leaves one,
+and `remove_stale_temps` (called when a hook starts writing into a directory) deletes those whose process is
+gone. The file operations go through `FILE_LAYER`, which tests replace (`use_file_layer`) to inject disk
+faults (ENOSPC, EIO, permission loss) without mocking the writers.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import secrets
 from typing import BinaryIO, Iterator
 
 TEMP_SUFFIX = ".tmp"
+_TEMP_NAME = re.compile(r"^\..+\.(\d+)\.[0-9a-f]{8}" + re.escape(TEMP_SUFFIX) + "$")
+
+
+class FileLayer:
+    """The file operations the writers use: open a new temp file for writing, rename it into place."""
+
+    def open_temp(self, path: str) -> BinaryIO:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        return os.fdopen(fd, "wb")
+
+    def replace(self, source: str, target: str) -> None:
+        os.replace(source, target)
+
+
+FILE_LAYER = FileLayer()
+
+
+@contextlib.contextmanager
+def use_file_layer(layer: FileLayer) -> Iterator[None]:
+    """Route the writers' file operations through `layer` for a while (fault injection in tests)."""
+    global FILE_LAYER
+    previous, FILE_LAYER = FILE_LAYER, layer
+    try:
+        yield
+    finally:
+        FILE_LAYER = previous
 
 
 def temp_path_for(path: str) -> str:
@@ -24,12 +57,42 @@ def atomic_write(path: str) -> Iterator[BinaryIO]:
     file has the permissions a user expects (not the 0600 of `tempfile.mkstemp`).
     """
     tmp = temp_path_for(path)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    layer = FILE_LAYER
+    f = layer.open_temp(tmp)
     try:
-        with os.fdopen(fd, "wb") as f:
+        with f:
             yield f
-        os.replace(tmp, path)
+        layer.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's live process
+    return True
+
+
+def remove_stale_temps(directory: str) -> list[str]:
+    """Delete temp files in `directory` left by processes that no longer run; return their names."""
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        match = _TEMP_NAME.match(name)
+        if match and int(match.group(1)) != os.getpid() and not _alive(int(match.group(1))):
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(directory, name))
+                removed.append(name)
+    return removed
+
+
+__all__ = ["FILE_LAYER", "FileLayer", "atomic_write", "remove_stale_temps", "temp_path_for", "use_file_layer"]

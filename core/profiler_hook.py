@@ -8,6 +8,7 @@ import time
 from typing import Any, Callable, Sequence
 
 from core import arguments
+from core.atomic_file import remove_stale_temps
 from core.periodic_hook import PeriodicHook
 from core.session_run_hook import RunOptions, SessionRunArgs, TraceLevel
 from core.timeline import ChromeTraceWriter
@@ -107,6 +108,7 @@ class ProfilerHook(PeriodicHook):
         if self.output_dir is None:
             self.output_dir = os.getcwd()
         arguments.make_dir(type(self).__name__, "output_dir", self.output_dir)
+        remove_stale_temps(self.output_dir)  # left by a run killed mid-write
         super().begin()
         self._release_events()  # a previous fit that failed before end()
         if self.tensorboard:

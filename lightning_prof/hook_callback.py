@@ -87,7 +87,12 @@ class HookCallback(Callback):
     @property
     @override
     def state_key(self) -> str:
-        return self._generate_state_key(hooks=[_hook_key(h) for h in self.hooks])
+        # Lightning reads this on every hook call of every callback (to name its profiler span): computed
+        # once, at its first use (Trainer construction), the same in the run that saves and the one that resumes
+        key = self.__dict__.get("_state_key")
+        if key is None:
+            key = self.__dict__["_state_key"] = self._generate_state_key(hooks=[_hook_key(h) for h in self.hooks])
+        return key
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

@@ -1,0 +1,76 @@
+"""Disk faults injected through the writer's file layer: training finishes, each failure is warned once
+with its path and reason, dropped outputs are counted, and writing resumes when the fault clears."""
+
+import errno
+import os
+
+import pytest
+
+import core
+from core.atomic_file import FileLayer, use_file_layer
+from lightning_prof import HookCallback, ProfilerHook
+from tests.conftest import timeline_steps
+from tests.lightning_models import TinyModel, loader, trainer
+
+
+class FaultyDisk(FileLayer):
+    """Fails writes with `error` while `failing` is set, after some bytes went through (mid-file)."""
+
+    def __init__(self, error: int, on: str):
+        self.error, self.on, self.failing = error, on, False
+
+    def open_temp(self, path):
+        f = super().open_temp(path)
+        if self.failing and self.on == "write":
+            layer = self
+
+            class Breaks:
+                def __init__(self, inner):
+                    self.inner, self.written = inner, 0
+
+                def write(self, data):
+                    if self.written > 100:
+                        raise OSError(layer.error, os.strerror(layer.error))
+                    self.written += len(data)
+                    return self.inner.write(data)
+
+                def __enter__(self):
+                    return self
+
+                def __exit__(self, *exc):
+                    self.inner.close()
+
+            return Breaks(f)
+        return f
+
+    def replace(self, source, target):
+        if self.failing and self.on == "replace":
+            raise OSError(self.error, os.strerror(self.error))
+        super().replace(source, target)
+
+
+class Switch(core.SessionRunHook):
+    """Turns the fault on before step 3 and off before step 6."""
+
+    def __init__(self, disk):
+        self.disk = disk
+
+    def before_run(self, run_context):
+        step = run_context.session.global_step + 1
+        self.disk.failing = 3 <= step < 6
+
+
+@pytest.mark.parametrize("error,on", [(errno.ENOSPC, "write"), (errno.EIO, "write"), (errno.EACCES, "replace")])
+def test_a_failing_disk_drops_outputs_warns_once_and_recovers(tmp_dir, caplog, error, on):
+    disk = FaultyDisk(error, on)
+    hook = ProfilerHook(save_steps=1, output_dir=tmp_dir, tensorboard=False)
+    with use_file_layer(disk):
+        t = trainer(tmp_dir, [HookCallback([Switch(disk)]), hook], 8)
+        t.fit(TinyModel(), loader())
+    assert t.global_step == 8  # training finished
+    assert timeline_steps(tmp_dir) == [2, 6, 7, 8]  # 3, 4, 5 dropped; written again once the fault cleared
+    assert hook.hook.dropped_outputs == 3
+    warnings = [r.getMessage() for r in caplog.records if "Could not write timeline" in r.getMessage()]
+    assert len(warnings) == 1
+    assert "timeline-3.json" in warnings[0] and os.strerror(error) in warnings[0]
+    assert [n for n in os.listdir(tmp_dir) if n.endswith(".tmp")] == []
