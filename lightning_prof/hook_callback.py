@@ -36,10 +36,17 @@ class LightningSession(Session):
         super().__init__(model=pl_module, rank=trainer.global_rank, world_size=trainer.world_size)
         self.trainer = trainer
         self.distributed_backend = getattr(trainer.strategy, "process_group_backend", None)
+        self._step: int | None = None
 
     @property
     def global_step(self) -> int:
-        return self.trainer.global_step
+        """`trainer.global_step`, read once at each batch boundary (it is a chain of Lightning properties
+        that every hook would otherwise walk on every step); live outside of a step."""
+        return self.trainer.global_step if self._step is None else self._step
+
+    def refresh_step(self) -> int:
+        self._step = self.trainer.global_step
+        return self._step
 
 
 def _outputs(outputs: Any) -> dict[str, Any]:
@@ -127,8 +134,8 @@ class HookCallback(Callback):
         self._batch_running = True
         if self._open_at is not None:
             return  # inside a gradient-accumulation window: the TF step is already open
-        self._open_at = trainer.global_step
-        key = (id(trainer), trainer.current_epoch, batch_idx, trainer.global_step)
+        step = self._open_at = self._session.refresh_step()
+        key = (id(trainer), step, batch_idx)
         self._driver.before_run(self._session, key, SessionRunArgs(feed_dict={"batch": batch, "batch_idx": batch_idx}))
 
     @override
@@ -147,7 +154,7 @@ class HookCallback(Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         self._batch_running = False
-        if self._open_at is None or trainer.global_step == self._open_at:
+        if self._open_at is None or self._session.refresh_step() == self._open_at:
             return  # a micro-batch whose optimizer step has not come yet
         self._close(trainer, pl_module, outputs, batch, batch_idx)
 
@@ -155,9 +162,9 @@ class HookCallback(Callback):
                batch_idx: int) -> None:
         self._open_at = None
         session = self._session
+        step = session.refresh_step()
         stop = self._driver.after_run(
-            lambda: StepState(trainer.global_step, _outputs(outputs), batch, batch_idx, pl_module,
-                              trainer.callback_metrics, session)
+            lambda: StepState(step, _outputs(outputs), batch, batch_idx, pl_module, trainer.callback_metrics, session)
         )
         if stop:
             trainer.should_stop = True
@@ -182,6 +189,7 @@ class HookCallback(Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._batch_running or self._open_at is not None:
             self._abort()
+        self._session._step = None  # live again
         self._driver.end(self._session)
 
     @override
