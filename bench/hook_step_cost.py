@@ -7,34 +7,22 @@ loop with no hooks at all (the loop's own cost), and reports the difference per 
 import statistics
 import time
 
-from core import HookedSession, ProfilerHook, Session, SessionRunArgs, StepState
+from core import HookedSession, ManualSession, ProfilerHook, SessionRunArgs, StepState
 from core.tracing import HostTracer, StepTraceCoordinator
 
 STEPS = 200_000
 
 
-class CountingSession(Session):
-    framework = "bench"
-
-    def __init__(self):
-        super().__init__()
-        self.step = 0
-
-    @property
-    def global_step(self):
-        return self.step
-
-
 def loop(hooks, steps=STEPS):
-    session = CountingSession()
+    session = ManualSession()
     driver = HookedSession(hooks, HostTracer, StepTraceCoordinator())
     driver.begin()
     driver.after_create_session(session)
     start = time.perf_counter()
     for i in range(steps):
         driver.before_run(session, i, SessionRunArgs(feed_dict={"batch_idx": i}))
-        session.step += 1
-        driver.after_run(lambda: StepState(session.step))
+        session.global_step += 1
+        driver.after_run(lambda: StepState(session.global_step))
     return (time.perf_counter() - start) / steps
 
 

@@ -3,7 +3,7 @@
 Imports neither lightning nor keras; torch only inside `core.tracing.torch_tracer`.
 """
 
-from core.hooked_session import HookedSession, Session, StepState, step_feeds
+from core.hooked_session import HookedSession, ManualSession, Session, StepState, step_feeds
 from core import summary
 from core.profiler_hook import ProfilerHook
 from core.session_run_hook import (
@@ -23,7 +23,7 @@ from core.timer import NeverTriggerTimer, SecondOrStepTimer
 __version__ = "0.1.0"
 
 __all__ = [
-    "ChromeTraceWriter", "DeviceStepStats", "HookedSession", "NeverTriggerTimer", "NodeExecStats",
+    "ChromeTraceWriter", "DeviceStepStats", "HookedSession", "ManualSession", "NeverTriggerTimer", "NodeExecStats",
     "ProfilerHook", "RunMetadata", "RunOptions", "SecondOrStepTimer", "Session", "SessionRunArgs",
     "SessionRunContext", "SessionRunHook", "SessionRunValues", "StepState", "StepStats", "SummarySaverHook",
     "TensorDescription", "TraceLevel", "step_feeds", "summary",

@@ -98,6 +98,35 @@ class Session:
         return evaluate_fetches(fetches, self.last_step)
 
 
+class ManualSession(Session):
+    """A Session for training loops you write yourself: set `global_step` as your loop advances.
+
+        session = ManualSession(model)
+        driver = HookedSession([ProfilerHook(save_steps=100)], tracer_factory=lambda: TorchTracer(model))
+        driver.begin(); driver.after_create_session(session)
+        for batch in loader:
+            driver.before_run(session, session.global_step, SessionRunArgs())
+            loss = step(batch); session.global_step += 1
+            if driver.after_run(lambda: StepState(session.global_step, {"loss": loss}, batch)):
+                break
+        driver.end(session)
+    """
+
+    framework = "manual"
+
+    def __init__(self, model: Any = None, global_step: int = 0, rank: int = 0, world_size: int = 1) -> None:
+        super().__init__(model=model, rank=rank, world_size=world_size)
+        self._global_step = global_step
+
+    @property
+    def global_step(self) -> int:
+        return self._global_step
+
+    @global_step.setter
+    def global_step(self, value: int) -> None:
+        self._global_step = value
+
+
 class StepState:
     """A finished step as fetches and summaries see it: `step` (global step after it), `outputs` (what the
     step returned: `{'loss': ...}` or the step's dict; Keras: its logs), `batch`, `batch_idx`, `model`,

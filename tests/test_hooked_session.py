@@ -4,8 +4,8 @@ import pytest
 
 from core import (
     HookedSession,
+    ManualSession,
     RunOptions,
-    Session,
     SessionRunArgs,
     SessionRunHook,
     StepState,
@@ -17,26 +17,14 @@ from core.tracing import HostTracer, StepTraceCoordinator
 from tests.conftest import RecordingHook
 
 
-class CountingSession(Session):
-    framework = "test"
-
-    def __init__(self):
-        super().__init__()
-        self.step = 0
-
-    @property
-    def global_step(self):
-        return self.step
-
-
 def run_steps(driver, session, n, outputs=None, on_step=None):
     stops = []
     for i in range(n):
-        driver.before_run(session, ("k", session.step), SessionRunArgs(feed_dict={"batch_idx": i}))
+        driver.before_run(session, ("k", session.global_step), SessionRunArgs(feed_dict={"batch_idx": i}))
         if on_step:
             on_step()
-        session.step += 1
-        stops.append(driver.after_run(lambda: StepState(session.step, outputs or {"loss": 0.5 * session.step})))
+        session.global_step += 1
+        stops.append(driver.after_run(lambda: StepState(session.global_step, outputs or {"loss": 0.5 * session.global_step})))
     return stops
 
 
@@ -56,7 +44,7 @@ class OrderHook(SessionRunHook):
 def test_hooks_run_in_list_order_and_stop_takes_effect_after_all_after_run():
     log = []
     driver = HookedSession([OrderHook("a", log), OrderHook("b", log)], HostTracer, StepTraceCoordinator())
-    stops = run_steps(driver, CountingSession(), 1)
+    stops = run_steps(driver, ManualSession(), 1)
     # b's after_run still ran, and saw the stop a requested in the same step (one shared context)
     assert log == [("before", "a"), ("before", "b"), ("after", "a", False), ("after", "b", True)]
     assert stops == [True]
@@ -67,7 +55,7 @@ def test_each_hook_gets_exactly_the_structure_it_asked_for():
     h2 = RecordingHook(fetches=("loss",))
     h3 = RecordingHook()
     driver = HookedSession([h1, h2, h3], HostTracer, StepTraceCoordinator())
-    run_steps(driver, CountingSession(), 2)
+    run_steps(driver, ManualSession(), 2)
     assert h1.results == [{"loss": 0.5, "both": [1, 10]}, {"loss": 1.0, "both": [2, 20]}]
     assert h2.results == [(0.5,), (1.0,)]
     assert h3.results == [None, None]
@@ -92,16 +80,16 @@ class FeedHook(SessionRunHook):
 def test_feeds_are_published_for_the_step_and_conflicts_are_errors():
     seen = []
     driver = HookedSession([FeedHook({"lr_scale": 0.5}), FeedHook({"noise": 1})], HostTracer, StepTraceCoordinator())
-    run_steps(driver, CountingSession(), 1, on_step=lambda: seen.append(dict(step_feeds())))
+    run_steps(driver, ManualSession(), 1, on_step=lambda: seen.append(dict(step_feeds())))
     assert seen == [{"lr_scale": 0.5, "noise": 1}]
     assert dict(step_feeds()) == {}  # only during the step
 
     clash = HookedSession([FeedHook({"x": 1}), FeedHook({"x": 2})], HostTracer, StepTraceCoordinator())
     with pytest.raises(RuntimeError, match=r"Same tensor is fed by two hooks: \['x'\]"):
-        run_steps(clash, CountingSession(), 1)
+        run_steps(clash, ManualSession(), 1)
     user_clash = HookedSession([FeedHook({"batch_idx": 3})], HostTracer, StepTraceCoordinator())
     with pytest.raises(RuntimeError, match=r"fed by a SessionRunHook and user: \['batch_idx'\]"):
-        run_steps(user_clash, CountingSession(), 1)
+        run_steps(user_clash, ManualSession(), 1)
 
 
 def test_options_merge_highest_trace_level_and_every_extra_wins():
@@ -109,7 +97,7 @@ def test_options_merge_highest_trace_level_and_every_extra_wins():
     h2 = RecordingHook(options=RunOptions(trace_level=TraceLevel.FULL_TRACE))
     h3 = RecordingHook()
     driver = HookedSession([h1, h2, h3], HostTracer, StepTraceCoordinator())
-    run_steps(driver, CountingSession(), 1)
+    run_steps(driver, ManualSession(), 1)
     opts = driver._options
     assert opts.trace_level == TraceLevel.FULL_TRACE and opts.record_memory
     # one trace for the step, and every hook (even the one that asked nothing) gets the same metadata
@@ -125,7 +113,7 @@ def test_before_run_must_return_session_run_args():
 
     driver = HookedSession([Bad()], HostTracer, StepTraceCoordinator())
     with pytest.raises(TypeError, match=r"Bad.before_run returned dict; return None or core.SessionRunArgs"):
-        run_steps(driver, CountingSession(), 1)
+        run_steps(driver, ManualSession(), 1)
 
 
 def test_hooks_must_be_session_run_hooks():
@@ -139,7 +127,7 @@ def test_a_failed_step_gets_no_after_run_and_stops_the_trace():
     traces = StepTraceCoordinator()
     hook = RecordingHook(options=RunOptions(trace_level=TraceLevel.FULL_TRACE))
     driver = HookedSession([hook], HostTracer, traces)
-    session = CountingSession()
+    session = ManualSession()
     driver.before_run(session, "s1", SessionRunArgs())
     assert traces.active
     driver.abort_step()
@@ -149,7 +137,7 @@ def test_a_failed_step_gets_no_after_run_and_stops_the_trace():
 
 
 def test_session_run_evaluates_on_the_last_finished_step():
-    session = CountingSession()
+    session = ManualSession()
     with pytest.raises(RuntimeError, match="needs a finished step"):
         session.run("loss")
     driver = HookedSession([RecordingHook()], HostTracer, StepTraceCoordinator())

@@ -109,3 +109,28 @@ def test_profiler_prints_no_per_start_log_lines():
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "traced"
     assert "profiler_start" not in done.stderr and "USDT" not in done.stderr, done.stderr
+
+
+def test_a_hand_written_loop_with_manual_session(tmp_path):
+    """The ManualSession example: hooks around a plain PyTorch loop, no framework."""
+    import os
+
+    from core import HookedSession, ManualSession, ProfilerHook, SessionRunArgs, StepState
+
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    session = ManualSession(model)
+    driver = HookedSession([ProfilerHook(save_steps=2, output_dir=str(tmp_path), tensorboard=False)],
+                           tracer_factory=lambda: TorchTracer(model))
+    driver.begin()
+    driver.after_create_session(session)
+    for _ in range(5):
+        driver.before_run(session, session.global_step, SessionRunArgs())
+        loss = model(torch.randn(4, 256)).sum()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        session.global_step += 1
+        driver.after_run(lambda: StepState(session.global_step, {"loss": loss}))
+    driver.end(session)
+    assert sorted(os.listdir(tmp_path)) == ["timeline-2.json", "timeline-4.json"]  # as in a Lightning fit

@@ -36,32 +36,24 @@ _TF_NAMES = {"exec_micros": "micros", "accelerator_exec_micros": "accelerator_mi
              "run_count": "occurrence"}
 
 
+def _scaled(value: float, units: tuple[tuple[float, str], ...], plain: str) -> str:
+    """tfprof's number formats: an integer below the first step, then two decimals in the largest unit."""
+    for size, unit in reversed(units):
+        if value >= size:
+            return f"{value / size:.2f}{unit}"
+    return f"{int(round(value))}{plain}"
+
+
 def format_time(micros: float) -> str:
-    if micros < 1000:
-        return f"{int(round(micros))}us"
-    if micros < 1_000_000:
-        return f"{micros / 1000:.2f}ms"
-    return f"{micros / 1_000_000:.2f}sec"
+    return _scaled(micros, ((1000, "ms"), (1_000_000, "sec")), "us")
 
 
 def format_memory(nbytes: float) -> str:
-    if nbytes < 1000:
-        return f"{int(round(nbytes))}B"
-    if nbytes < 1_000_000:
-        return f"{nbytes / 1000:.2f}KB"
-    if nbytes < 1_000_000_000:
-        return f"{nbytes / 1_000_000:.2f}MB"
-    return f"{nbytes / 1_000_000_000:.2f}GB"
+    return _scaled(nbytes, ((1000, "KB"), (1_000_000, "MB"), (1_000_000_000, "GB")), "B")
 
 
 def format_number(n: float) -> str:
-    if n < 1000:
-        return f"{int(round(n))}"
-    if n < 1_000_000:
-        return f"{n / 1000:.2f}k"
-    if n < 1_000_000_000:
-        return f"{n / 1_000_000:.2f}m"
-    return f"{n / 1_000_000_000:.2f}b"
+    return _scaled(n, ((1000, "k"), (1_000_000, "m"), (1_000_000_000, "b")), "")
 
 
 def format_value(attr: str, value: float) -> str:
