@@ -105,3 +105,42 @@ def test_resume_in_a_fresh_process_continues_both_schedules(tmp_dir):
     for path in sorted(glob.glob(os.path.join(tmp_dir, "events.out.tfevents.*"))):
         steps += [e.step for e in EventFileLoader(path).Load() if e.HasField("summary")]
     assert steps == [1, 4, 7, 10]
+
+
+KERAS_RESUME = textwrap.dedent("""
+    import os, sys
+    os.environ["KERAS_BACKEND"] = "torch"
+    sys.path.insert(0, {repo!r})
+    import keras, numpy as np
+    from keras_prof import ProfilerHook
+    out, backup, crash = sys.argv[1], sys.argv[2], sys.argv[3] == "crash"
+
+    class Crash(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if crash and int(self.model.optimizer.iterations) == 7:
+                raise RuntimeError("crash at step 7")
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    x, y = np.random.rand(96, 8).astype("float32"), np.random.rand(96, 1).astype("float32")
+    callbacks = [keras.callbacks.BackupAndRestore(backup, save_freq=5),
+                 ProfilerHook(save_steps=4, output_dir=out, tensorboard=False), Crash()]
+    model.fit(x, y, batch_size=8, epochs=1, callbacks=callbacks, verbose=0)
+""")
+
+
+def test_keras_resume_through_its_own_checkpoint_continues_the_schedule(tmp_dir):
+    script = os.path.join(tmp_dir, "fit.py")
+    with open(script, "w") as f:
+        f.write(KERAS_RESUME.format(repo=REPO))
+    out, backup = os.path.join(tmp_dir, "out"), os.path.join(tmp_dir, "backup")
+    crashed = subprocess.run([sys.executable, script, out, backup, "crash"], capture_output=True, text=True,
+                             timeout=300)
+    assert crashed.returncode != 0 and "crash at step 7" in crashed.stderr
+    assert timeline_steps(out) == [4]
+    resumed = subprocess.run([sys.executable, script, out, backup, "go"], capture_output=True, text=True,
+                             timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    # Keras restored its backup of step 5; the schedule goes on at 8, 12, 16: 4 not written twice, none missing
+    assert timeline_steps(out) == [4, 8, 12, 16]
