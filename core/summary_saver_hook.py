@@ -76,6 +76,7 @@ class SummarySaverHook(PeriodicHook):
         self._started = False
         self._request = False
         self.summary_errors = 0
+        self.dropped_outputs = 0
         self._warned: set[str] = set()
 
     def set_default_output_dir(self, path: str | os.PathLike) -> None:
@@ -129,8 +130,9 @@ class SummarySaverHook(PeriodicHook):
             if run_values.results is not None:
                 add_summary(self._sink, run_values.results, step)
         except OSError as err:  # a full disk must not end the training run
-            self._warn_once(f"os:{err.strerror}", "Could not write summaries at step %d (%s); training goes on.",
-                            step, err.strerror or err)
+            self.dropped_outputs += 1
+            self._warn_once(f"os:{err.strerror}", "Could not write summaries at step %d to %s (%s); training "
+                            "goes on.", step, self.output_dir or "the summary writer", err.strerror or err)
 
     def end(self, session: Any) -> None:
         if self._sink is not None:

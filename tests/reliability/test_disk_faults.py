@@ -74,3 +74,40 @@ def test_a_failing_disk_drops_outputs_warns_once_and_recovers(tmp_dir, caplog, e
     assert len(warnings) == 1
     assert "timeline-3.json" in warnings[0] and os.strerror(error) in warnings[0]
     assert [n for n in os.listdir(tmp_dir) if n.endswith(".tmp")] == []
+
+
+def test_summaries_survive_a_failing_event_stream(tmp_dir, caplog):
+    from core import summary
+    from core.event_writer import event_writer, use_for
+
+    class FailingSink:
+        """The directory's event stream, failing with ENOSPC while `failing` is set."""
+
+        def __init__(self, inner):
+            self.inner, self.failing = inner, False
+
+        def add_event(self, event):
+            if self.failing:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            self.inner.add_event(event)
+
+        def flush(self):
+            self.inner.flush()
+
+        def close(self):
+            self.inner.close()
+
+    out = os.path.join(tmp_dir, "logs")
+    sink = FailingSink(event_writer(os.path.join(tmp_dir, "real")))
+    use_for(out, sink)
+    hook = core.SummarySaverHook(save_steps=1, output_dir=out, summary_op=summary.scalar("s", 1.0, collections=[]))
+    t = trainer(tmp_dir, [HookCallback([Switch(sink), hook])], 8, logger=False)
+    t.fit(TinyModel(), loader())
+    assert t.global_step == 8 and hook.dropped_outputs == 3
+    warnings = [r.getMessage() for r in caplog.records if "Could not write summaries" in r.getMessage()]
+    assert len(warnings) == 1 and "No space left on device" in warnings[0]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(os.path.join(tmp_dir, "real"), size_guidance={"tensors": 0})
+    acc.Reload()
+    assert [e.step for e in acc.Tensors("s")] == [1, 2, 6, 7, 8]  # 3, 4, 5 dropped, then written again
