@@ -11,6 +11,7 @@ The adapters call, per step, `before_run(...)`, then the framework runs the step
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable, Hashable, Mapping, Sequence
 
 from core.session_run_hook import (
@@ -299,6 +300,17 @@ class HookedSession:
     def end(self, session: Session) -> None:
         for hook in self.hooks:
             hook.end(session)
+
+    def close(self) -> None:
+        """Training failed: release what the hooks hold (files, writers) without calling `end()` (TF's rule).
+        Hooks opt in with a `close()` method (this project's hooks have one)."""
+        for hook in self.hooks:
+            close = getattr(hook, "close", None)
+            if callable(close):
+                try:
+                    close()
+                except Exception:  # one hook's cleanup must not stop the others'
+                    logging.getLogger(__name__).exception("%s.close() failed", type(hook).__name__)
 
 
 def _merge_feeds(feeds: dict, new: Mapping, user: Mapping, hook_name: str) -> None:

@@ -213,6 +213,10 @@ class ProfilerHook(PeriodicHook):
     def end(self, session: Any) -> None:
         self._release_events()
 
+    def close(self) -> None:
+        """Training failed before `end()`: close the TensorBoard writer this hook holds."""
+        self._release_events()
+
 
 def _check_ranks(owner: str, ranks: Any) -> frozenset[int] | None:
     if ranks is None:

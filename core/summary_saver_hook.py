@@ -135,6 +135,10 @@ class SummarySaverHook(PeriodicHook):
                             "goes on.", step, self.output_dir or "the summary writer", err.strerror or err)
 
     def end(self, session: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Flush and release the event writer (at `end()`, and when training fails before it)."""
         if self._sink is not None:
             self._sink.flush()
         self._release_events()

@@ -50,6 +50,7 @@ class _TrainStepWatch:
     def __init__(self, function: Any) -> None:
         self.function = function
         self.batch: Any = None
+        self.on_failure: dict[int, Any] = {}  # callbacks to close when a step raises (no on_train_end follows)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if len(args) == 1 and isinstance(args[0], (list, tuple)) and len(args[0]) == 1:
@@ -58,6 +59,9 @@ class _TrainStepWatch:
             return self.function(*args, **kwargs)
         except BaseException:
             abort_running_step()
+            for close in list(self.on_failure.values()):
+                close()
+            self.on_failure.clear()
             raise
 
     @classmethod
@@ -110,6 +114,8 @@ class HookCallback(keras.callbacks.Callback):
         self._session = KerasSession(self.model)
         self._driver.tracer_factory = tracer_factory(self.model)
         self._watch = _TrainStepWatch.install(self.model)
+        if self._watch is not None:
+            self._watch.on_failure[id(self)] = self._driver.close
         for hook in self.hooks:  # hooks left without a directory write where Keras' TensorBoard callback does
             if hasattr(hook, "set_default_output_dir"):
                 hook.set_default_output_dir(DEFAULT_LOG_DIR)
@@ -133,4 +139,6 @@ class HookCallback(keras.callbacks.Callback):
             self.model.stop_training = True
 
     def on_train_end(self, logs: dict | None = None) -> None:
+        if self._watch is not None:
+            self._watch.on_failure.pop(id(self), None)
         self._driver.end(self._session)

@@ -195,6 +195,7 @@ class HookCallback(Callback):
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._abort()
+        self._driver.close()  # no end() (TF's rule), but files and writers are closed
 
     @override
     def state_dict(self) -> dict[str, Any]:

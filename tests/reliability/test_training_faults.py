@@ -144,3 +144,42 @@ def test_keras_resume_through_its_own_checkpoint_continues_the_schedule(tmp_dir)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     # Keras restored its backup of step 5; the schedule goes on at 8, 12, 16: 4 not written twice, none missing
     assert timeline_steps(out) == [4, 8, 12, 16]
+
+
+def _open_writers():
+    from core import event_writer
+
+    return dict(event_writer._users)
+
+
+def test_a_failed_fit_closes_its_writers_without_calling_end(tmp_dir):
+    import keras
+    import numpy as np
+
+    import keras_prof
+
+    op = summary.scalar("c", 1.0, collections=[])
+    rec = RecordingHook()
+    lightning_dir = os.path.join(tmp_dir, "lightning")
+    hooks = [rec, core.SummarySaverHook(save_steps=1, output_dir=lightning_dir, summary_op=op),
+             core.ProfilerHook(save_steps=1, output_dir=lightning_dir)]
+    with pytest.raises(RuntimeError, match="boom"):
+        trainer(tmp_dir, [HookCallback(hooks)], 10, logger=False).fit(TinyModel(fail_at_step=3), loader())
+    assert "end" not in rec.names()
+    assert os.path.abspath(lightning_dir) not in _open_writers()  # released, not left to interpreter exit
+
+    keras_dir = os.path.join(tmp_dir, "keras")
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    original = model.train_step
+    def failing_step(data):
+        if int(model.optimizer.iterations) == 2:
+            raise RuntimeError("boom")
+        return original(data)
+
+    model.train_step = failing_step
+    saver = keras_prof.SummarySaverHook(save_steps=1, output_dir=keras_dir, summary_op=op)
+    with pytest.raises(RuntimeError, match="boom"):
+        model.fit(np.zeros((32, 8), "float32"), np.zeros((32, 1), "float32"), batch_size=8, verbose=0,
+                  callbacks=[saver])
+    assert os.path.abspath(keras_dir) not in _open_writers()
