@@ -31,7 +31,10 @@ def main() -> None:
             print(f"  {path}  {summarize(path)}")
     print(
         "\nOpen a timeline in Perfetto: https://ui.perfetto.dev -> 'Open trace file' (or drag the file in);"
-        "\nor in Chrome: chrome://tracing -> 'Load'. Each op's args show its module scope, phase and inputs."
+        "\nor in Chrome: chrome://tracing -> 'Load'. Each op's args show its module scope, phase and inputs;"
+        "\narrows follow each tensor from the op that made it to the ops that read it."
+        f"\nThe same steps as graphs: .venv/bin/tensorboard --logdir {ROOT} -> Graphs -> tag step_<N>."
+        f"\nA summary line per file: .venv/bin/hookprof summary {ROOT}/*/timeline-*.json"
     )
     if not lightning_paths or not keras_paths:
         sys.exit("demo: expected timelines from both runs")
