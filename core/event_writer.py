@@ -36,8 +36,6 @@ class EventWriter:
 
             os.makedirs(self.logdir, exist_ok=True)
             self._writer = EventFileWriter(self.logdir, filename_suffix=".hookprof")
-        if not event.wall_time:
-            event.wall_time = time.time()
         self._writer.add_event(event)
         self._writer.flush()
 
@@ -74,8 +72,6 @@ class _TorchWriterSink:
         self._writer = writer
 
     def add_event(self, event: Any) -> None:
-        if not event.wall_time:
-            event.wall_time = time.time()
         self._writer._get_file_writer().add_event(event)
         self._writer.flush()
 
@@ -136,17 +132,22 @@ def is_tensorboard_logger(logger: Any) -> bool:
     return type(logger).__name__ == "TensorBoardLogger" and hasattr(type(logger), "experiment")
 
 
-def add_summary(sink: Any, summary: Any, step: int) -> None:
+def new_event(step: int, **fields: Any) -> Any:
+    """A TensorBoard `Event` at `step`, stamped now (every sink, the user's own too, gets a wall time)."""
     from tensorboard.compat.proto.event_pb2 import Event
 
-    sink.add_event(Event(step=int(step), summary=summary))
+    return Event(step=int(step), wall_time=time.time(), **fields)
+
+
+def add_summary(sink: Any, summary: Any, step: int) -> None:
+    sink.add_event(new_event(step, summary=summary))
 
 
 def add_session_start(sink: Any, step: int) -> None:
     """TF's `SessionLog(status=START)`: TensorBoard drops events of a previous run past `step` (a restart)."""
-    from tensorboard.compat.proto.event_pb2 import Event, SessionLog
+    from tensorboard.compat.proto.event_pb2 import SessionLog
 
-    sink.add_event(Event(step=int(step), session_log=SessionLog(status=SessionLog.START)))
+    sink.add_event(new_event(step, session_log=SessionLog(status=SessionLog.START)))
 
 
 def acquire(logdir: str) -> Any:

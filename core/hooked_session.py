@@ -43,10 +43,9 @@ def _publish_feeds(step_key: Hashable, feeds: dict[str, Any]) -> None:
     replace one another."""
     global _current_feeds, _current_feeds_key
     if _current_feeds and _current_feeds_key == step_key:
-        clash = _current_feeds.keys() & feeds.keys()
-        if clash:
-            raise RuntimeError(f"Same tensor is fed by two hooks: {sorted(map(str, clash))} (in two callbacks).")
-        _current_feeds = {**_current_feeds, **feeds}
+        merged = dict(_current_feeds)
+        _merge_feeds(merged, feeds, {}, "a hook of another callback")
+        _current_feeds = merged
     else:
         _current_feeds = feeds
     _current_feeds_key = step_key

@@ -1,25 +1,46 @@
-"""`PeriodicHook`: what every hook on a steps-or-seconds schedule shares: the timer and its resumable state."""
+"""`PeriodicHook`: what every hook on a steps-or-seconds schedule that writes files shares: the timer and its
+resumable state, the output directory, the TensorBoard stream it holds, and warnings given once."""
 
 from __future__ import annotations
 
+import logging
+import os
 import time
 from typing import Any, Callable
 
+from core import arguments
 from core.session_run_hook import SessionRunHook
 from core.timer import SecondOrStepTimer
 
 
 class PeriodicHook(SessionRunHook):
-    """A hook firing on a `SecondOrStepTimer`. Each run (`begin`) starts the count again, as TF's hooks did,
-    unless a saved schedule was loaded for this run: before `begin` (Keras, by hand) or between `begin` and
-    `after_create_session` (Lightning restores checkpoints there). A run that starts at a global step above 0
-    with no saved schedule continues a step schedule from the last multiple of `save_steps`."""
+    """A hook firing on a `SecondOrStepTimer` and writing into `output_dir`.
 
-    def __init__(self, save_steps: int | None, save_secs: float | None, clock: Callable[[], float] = time.time):
+    Each run (`begin`) starts the count again, as TF's hooks did, unless a saved schedule was loaded for this
+    run: before `begin` (Keras, by hand) or between `begin` and `after_create_session` (Lightning restores
+    checkpoints there). A run that starts at a global step above 0 with no saved schedule continues a step
+    schedule from the last multiple of `save_steps`.
+    """
+
+    def __init__(self, save_steps: int | None, save_secs: float | None, output_dir: Any,
+                 clock: Callable[[], float] = time.time):
+        owner = type(self).__name__
+        arguments.check_schedule(owner, save_steps, save_secs)
         self.save_steps = save_steps
         self.save_secs = save_secs
         self._timer = SecondOrStepTimer(every_secs=save_secs, every_steps=save_steps, clock=clock)
         self._restored = False
+        self.output_dir = None if output_dir is None else arguments.expand_dir(owner, "output_dir", output_dir)
+        self._output_dir_given = output_dir is not None
+        self._events_dir: str | None = None
+        self.dropped_outputs = 0
+        self._warned: set[str] = set()
+
+    def set_default_output_dir(self, path: str | os.PathLike) -> None:
+        """Where files go when the user gave no `output_dir` (the adapters call this before each fit's `begin`,
+        so a second fit writes into its own run directory)."""
+        if not self._output_dir_given:
+            self.output_dir = arguments.expand_dir(type(self).__name__, "output_dir", path)
 
     def begin(self) -> None:
         if not self._restored:
@@ -41,3 +62,29 @@ class PeriodicHook(SessionRunHook):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._timer.load_state_dict(state.get("timer", {}))
         self._restored = True
+
+    # --- the TensorBoard stream of output_dir, held for a run -----------------------------------------------
+
+    def _acquire_events(self) -> Any:
+        """This run's hold on the event stream of `output_dir` (a previous failed run's is let go first)."""
+        from core.event_writer import acquire
+
+        self._release_events()
+        self._events_dir = self.output_dir
+        return acquire(self.output_dir)
+
+    def _release_events(self) -> None:
+        if self._events_dir is not None:
+            from core.event_writer import release
+
+            release(self._events_dir)
+        self._events_dir = None
+
+    def close(self) -> None:
+        """Release what this hook holds (at `end()`, and when training fails before it)."""
+        self._release_events()
+
+    def _warn_once(self, key: str, message: str, *args: Any, exc_info: bool = False) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            logging.getLogger(type(self).__module__).warning(message, *args, exc_info=exc_info)

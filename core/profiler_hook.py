@@ -70,10 +70,7 @@ class ProfilerHook(PeriodicHook):
         clock: Callable[[], float] = time.time,
     ) -> None:
         owner = type(self).__name__
-        arguments.check_schedule(owner, save_steps, save_secs)
-        super().__init__(save_steps, save_secs, clock)
-        self.output_dir = None if output_dir is None else arguments.expand_dir(owner, "output_dir", output_dir)
-        self._output_dir_given = output_dir is not None
+        super().__init__(save_steps, save_secs, output_dir, clock)
         self.show_dataflow = arguments.check_bool(owner, "show_dataflow", show_dataflow)
         self.show_memory = arguments.check_bool(owner, "show_memory", show_memory)
         self.ranks = _check_ranks(owner, ranks)
@@ -94,15 +91,6 @@ class ProfilerHook(PeriodicHook):
         self._writes_here = True
         self.saved_paths: list[str] = []
         self._events: Any = None
-        self._events_dir: str | None = None
-        self.dropped_outputs = 0
-        self._warned: set[str] = set()
-
-    def set_default_output_dir(self, path: str | os.PathLike) -> None:
-        """Where the files go when the user gave no `output_dir` (the adapters call this before each fit's
-        `begin`, so a second fit writes into its own run directory)."""
-        if not self._output_dir_given:
-            self.output_dir = arguments.expand_dir(type(self).__name__, "output_dir", path)
 
     def begin(self) -> None:
         if self.output_dir is None:
@@ -110,20 +98,7 @@ class ProfilerHook(PeriodicHook):
         arguments.make_dir(type(self).__name__, "output_dir", self.output_dir)
         remove_stale_temps(self.output_dir)  # left by a run killed mid-write
         super().begin()
-        self._release_events()  # a previous fit that failed before end()
-        if self.tensorboard:
-            from core.event_writer import acquire
-
-            self._events_dir = self.output_dir
-            self._events = acquire(self.output_dir)
-
-    def _release_events(self) -> None:
-        if getattr(self, "_events_dir", None) is not None:
-            from core.event_writer import release
-
-            release(self._events_dir)
-        self._events_dir = None
-        self._events = None
+        self._events = self._acquire_events() if self.tensorboard else None
 
     def after_create_session(self, session: Any, coord: Any) -> None:
         super().after_create_session(session, coord)
@@ -162,9 +137,9 @@ class ProfilerHook(PeriodicHook):
         stats = run_metadata.step_stats
         if stats is None:
             return
-        path = self.timeline_path(step, getattr(session, "rank", 0), getattr(session, "world_size", 1))
-        log.info("Saving timeline for %d into '%s'.", step, path)
         rank, world_size = getattr(session, "rank", 0), getattr(session, "world_size", 1)
+        path = self.timeline_path(step, rank, world_size)
+        log.info("Saving timeline for %d into '%s'.", step, path)
         metadata = {"framework": getattr(session, "framework", "unknown"), "rank": rank, "world_size": world_size}
         distributed = {"rank": rank, "world_size": world_size}
         backend = getattr(session, "distributed_backend", None)
@@ -175,15 +150,12 @@ class ProfilerHook(PeriodicHook):
         except Exception as err:  # a full disk, or a bug of ours, must not end the training run
             self.dropped_outputs += 1
             reason = (err.strerror or str(err)) if isinstance(err, OSError) else type(err).__name__
-            if reason not in self._warned:
-                self._warned.add(reason)
-                log.warning("Could not write timeline %s (%s); training goes on without it.", path, reason,
-                            exc_info=not isinstance(err, OSError))
+            self._warn_once(reason, "Could not write timeline %s (%s); training goes on without it.", path,
+                            reason, exc_info=not isinstance(err, OSError))
             return
-        if result.truncated and "truncated" not in self._warned:
-            self._warned.add("truncated")
-            log.warning("Timeline %s was cut at max_events=%d events; raise max_events to keep whole steps.",
-                        path, self.max_events)
+        if result.truncated:
+            self._warn_once("truncated", "Timeline %s was cut at max_events=%d events; raise max_events to keep "
+                            "whole steps.", path, self.max_events)
         self.saved_paths.append(path)
         if self.tensorboard:
             # ranks share the run directory: their tags must not collide
@@ -205,17 +177,13 @@ class ProfilerHook(PeriodicHook):
             self.dropped_outputs += 1
             self._warn_once(f"tb:{type(err).__name__}", "Could not write step_%d to TensorBoard (%s).", step, err)
 
-    def _warn_once(self, key: str, message: str, *args: Any) -> None:
-        if key not in self._warned:
-            self._warned.add(key)
-            log.warning(message, *args)
-
     def end(self, session: Any) -> None:
-        self._release_events()
+        self.close()
 
     def close(self) -> None:
-        """Training failed before `end()`: close the TensorBoard writer this hook holds."""
-        self._release_events()
+        """Release the TensorBoard stream (at `end()`, and when training fails before it)."""
+        super().close()
+        self._events = None
 
 
 def _check_ranks(owner: str, ranks: Any) -> frozenset[int] | None:

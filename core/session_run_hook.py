@@ -48,6 +48,11 @@ class RunOptions:
             raise ValueError(f"`RunOptions(trace_level={level!r})`: use one of "
                              f"{[f'RunOptions.{t.name}' for t in TraceLevel]}.") from None
 
+    def covers(self, other: RunOptions) -> bool:
+        """Whether a trace run with these options records everything `other` asks for."""
+        return (self.trace_level >= other.trace_level and self.record_dataflow >= other.record_dataflow
+                and self.record_memory >= other.record_memory and self.with_stack >= other.with_stack)
+
     def merge(self, other: RunOptions) -> None:
         """Fold another hook's request into this one: the higher trace level and every extra wins."""
         self.trace_level = TraceLevel(max(self.trace_level, other.trace_level))

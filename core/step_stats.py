@@ -67,10 +67,6 @@ class NodeExecStats:
     args: dict[str, Any] | None = None
 
     @property
-    def end_ns(self) -> int:
-        return self.start_ns + self.duration_ns
-
-    @property
     def inputs(self) -> list[TensorDescription]:
         """The tensor arguments (scalars and lists left out), with their sizes in bytes."""
         if not self.input_shapes:

@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-import logging
 import os
 import time
 from typing import Any, Callable
 
 from core import arguments
-from core.event_writer import acquire, add_session_start, add_summary, as_event_sink, release
+from core.event_writer import add_session_start, add_summary, as_event_sink
 from core.periodic_hook import PeriodicHook
 from core.session_run_hook import SessionRunArgs
 from core.summary import MergedSummary, Scaffold, SummaryError, as_merged
-
-log = logging.getLogger(__name__)
 
 
 class SummarySaverHook(PeriodicHook):
@@ -60,29 +57,23 @@ class SummarySaverHook(PeriodicHook):
             raise ValueError("Exactly one of scaffold or summary_op must be provided.")
         if scaffold is not None and not isinstance(scaffold, Scaffold):
             raise TypeError(f"`{owner}(scaffold={scaffold!r})`: `scaffold` must be a core.summary.Scaffold.")
-        arguments.check_schedule(owner, save_steps, save_secs)
-        super().__init__(save_steps, save_secs, clock)
+        super().__init__(save_steps, save_secs, output_dir, clock)
         self._summary_op = None if summary_op is None else as_merged(summary_op, "summary_op")
         self._scaffold = scaffold
-        self.output_dir = None if output_dir is None else arguments.expand_dir(owner, "output_dir", output_dir)
-        self._output_dir_given = output_dir is not None
         self._writer_arg = summary_writer
         if summary_writer is not None:
             as_event_sink(summary_writer)  # a wrong kind of writer fails here, before training
         self.strict = arguments.check_bool(owner, "strict", strict)
         self._sink: Any = None
-        self._events_dir: str | None = None
         self._writes_here = True
         self._started = False
         self._request = False
         self.summary_errors = 0
-        self.dropped_outputs = 0
-        self._warned: set[str] = set()
 
     def set_default_output_dir(self, path: str | os.PathLike) -> None:
         """Where events go when the user gave neither `output_dir` nor `summary_writer` (adapters call this)."""
-        if not self._output_dir_given and self._writer_arg is None:
-            self.output_dir = arguments.expand_dir(type(self).__name__, "output_dir", path)
+        if self._writer_arg is None:
+            super().set_default_output_dir(path)
 
     def _get_summary_op(self) -> MergedSummary | None:
         return self._summary_op if self._summary_op is not None else self._scaffold.summary_op
@@ -92,9 +83,7 @@ class SummarySaverHook(PeriodicHook):
             self._sink = as_event_sink(self._writer_arg)
         elif self.output_dir is not None:
             arguments.make_dir(type(self).__name__, "output_dir", self.output_dir)
-            self._release_events()  # a previous fit that failed before end()
-            self._events_dir = self.output_dir
-            self._sink = acquire(self.output_dir)
+            self._sink = self._acquire_events()
         else:
             self._warn_once("nowhere", "SummarySaverHook has neither output_dir nor summary_writer: it writes "
                             "nothing. Pass output_dir= or summary_writer=.")
@@ -141,19 +130,9 @@ class SummarySaverHook(PeriodicHook):
         """Flush and release the event writer (at `end()`, and when training fails before it)."""
         if self._sink is not None:
             self._sink.flush()
-        self._release_events()
-
-    def _release_events(self) -> None:
-        if self._events_dir is not None:
-            release(self._events_dir)
-        self._events_dir = None
+        super().close()
 
     def _on_error(self, err: SummaryError) -> None:
         self.summary_errors += 1
         self._warn_once(str(err).split(" at step")[0], "%s; the other summaries are written.", err)
-
-    def _warn_once(self, key: str, message: str, *args: Any) -> None:
-        if key not in self._warned:
-            self._warned.add(key)
-            log.warning(message, *args)
 

@@ -90,8 +90,10 @@ def run_metadata(stats: StepStats) -> Any:
 
 def add_run_metadata(writer: Any, stats: StepStats, tag: str, step: int) -> None:
     """Write the step's graph and its tagged run metadata to `writer` (a `core.event_writer.EventWriter`)."""
-    from tensorboard.compat.proto.event_pb2 import Event, TaggedRunMetadata
+    from tensorboard.compat.proto.event_pb2 import TaggedRunMetadata
 
-    writer.add_event(Event(step=step, graph_def=step_graph(stats).SerializeToString()))
-    writer.add_event(Event(step=step, tagged_run_metadata=TaggedRunMetadata(
+    from core.event_writer import new_event
+
+    writer.add_event(new_event(step, graph_def=step_graph(stats).SerializeToString()))
+    writer.add_event(new_event(step, tagged_run_metadata=TaggedRunMetadata(
         tag=tag, run_metadata=run_metadata(stats).SerializeToString())))

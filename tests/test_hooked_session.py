@@ -143,3 +143,15 @@ def test_session_run_evaluates_on_the_last_finished_step():
     driver = HookedSession([RecordingHook()], HostTracer, StepTraceCoordinator())
     run_steps(driver, session, 3)
     assert session.run({"l": "loss", "s": "global_step"}) == {"l": 1.5, "s": 3}
+
+
+def test_a_second_request_for_more_detail_than_the_running_trace_is_warned(caplog):
+    traces = StepTraceCoordinator()
+    traces.start("s", HostTracer, RunOptions(trace_level=TraceLevel.FULL_TRACE))
+    traces.start("s", HostTracer, RunOptions(trace_level=TraceLevel.FULL_TRACE))  # covered: silent
+    assert not caplog.records
+    traces.start("s", HostTracer, RunOptions(trace_level=TraceLevel.FULL_TRACE, record_dataflow=True))
+    assert any("asked for more detail" in r.getMessage() for r in caplog.records)
+    assert RunOptions(TraceLevel.FULL_TRACE, True, True, True).covers(RunOptions(TraceLevel.SOFTWARE_TRACE, True))
+    assert not RunOptions(TraceLevel.FULL_TRACE).covers(RunOptions(TraceLevel.FULL_TRACE, with_stack=True))
+    traces.abort()

@@ -96,9 +96,7 @@ class StepTraceCoordinator:
         current = self._current
         if current is not None:
             if current.key == key:
-                if options.trace_level > current.options.trace_level or (
-                    options.record_memory and not current.options.record_memory
-                ):
+                if not current.options.covers(options):
                     self._warn_once(
                         "detail",
                         "A second callback asked for more detail (%s) than the trace already running for "
@@ -130,12 +128,11 @@ class StepTraceCoordinator:
 
     def finish(self, key: Hashable) -> RunMetadata | None:
         """Stop the trace of step `key` (if it still runs) and return its metadata; None if it was not traced."""
-        self._last_step_end_ns = time.time_ns()
+        end_ns = self._last_step_end_ns = time.time_ns()
         current = self._current
         if current is None or current.key != key:
             return None
         if current.metadata is None:
-            end_ns = time.time_ns()
             try:
                 stats = current.tracer.stop()
             except Exception:  # a conversion bug costs this trace, never the training run

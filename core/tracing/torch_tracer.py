@@ -9,9 +9,10 @@ under the module whose forward made it. Imported lazily: `core` never imports to
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-from typing import Any
+from typing import Any, Iterator
 
 from core.session_run_hook import RunOptions, TraceLevel
 from core.step_stats import NodeExecStats, StepStats
@@ -160,27 +161,29 @@ class TorchTracer(Tracer):
             if self._execution_trace is not None:
                 self._execution_trace.stop()
 
-    def abort(self) -> None:
-        try:
-            self._close()
-        finally:
-            trace, self._execution_trace = self._execution_trace, None
-            if trace is not None:
-                trace.discard()
-
-    def stop(self) -> StepStats:
+    @contextlib.contextmanager
+    def _ending(self) -> Iterator[ExecutionTrace | None]:
+        """Stop recording; the execution-trace temp file goes afterwards whatever happened meanwhile."""
         execution_trace = self._execution_trace
         try:
+            yield execution_trace
+        finally:
+            self._execution_trace = None
+            if execution_trace is not None:
+                execution_trace.discard()
+
+    def abort(self) -> None:
+        with self._ending():
+            self._close()
+
+    def stop(self) -> StepStats:
+        with self._ending() as execution_trace:
             results = self._close()
             stats = StepStats(metadata={"torch_version": torch.__version__})
             if results is not None:
                 with paused_gc():
                     self._collect(results, stats, execution_trace)
             return stats
-        finally:
-            self._execution_trace = None
-            if execution_trace is not None:
-                execution_trace.discard()  # its temp file goes even when reading the step failed
 
     def _collect(self, results: Any, stats: StepStats, execution_trace: ExecutionTrace | None) -> None:
         stats.metadata["trace_start_ns"] = results.trace_start_ns()
