@@ -195,6 +195,9 @@ def check_hooks(hooks: Sequence[Any], argument: str = "hooks") -> list[SessionRu
     return list(hooks)
 
 
+_QUIET = SessionRunContext(SessionRunArgs(), None)  # the step running is one on which every hook is quiet
+
+
 class HookedSession:
     """Drives a list of hooks through steps; the adapters own one per callback.
 
@@ -221,6 +224,10 @@ class HookedSession:
         self._options: RunOptions | None = None
         self._no_options = RunOptions()  # what hooks see on steps no hook asked options for
         self._key: Hashable = None
+        self._session: Session | None = None  # the session of the step running
+        # The hooks' quiet_on checks; None when a hook (duck-typed) has none, which turns the fast path off.
+        checks = [getattr(hook, "quiet_on", None) for hook in self.hooks]
+        self._quiet_checks = checks if all(callable(check) for check in checks) else None
 
     def begin(self) -> None:
         self._traces.new_run()
@@ -231,10 +238,27 @@ class HookedSession:
         for hook in self.hooks:
             hook.after_create_session(session, None)
 
-    def before_run(self, session: Session, step_key: Hashable, original_args: SessionRunArgs) -> None:
-        """Ask every hook what it needs of the coming step; start the step's trace if one asked for it."""
+    def before_run(self, session: Session, step_key: Hashable,
+                   original_args: SessionRunArgs | Callable[[], SessionRunArgs]) -> None:
+        """Ask every hook what it needs of the coming step; start the step's trace if one asked for it.
+
+        `original_args` (the framework's own step arguments) may be a callable that makes them: steps on
+        which every hook is quiet (`SessionRunHook.quiet_on`) never build them.
+        """
         if self._context is not None:  # the previous step never finished (the framework skipped it)
             self.abort_step()
+        self._key, self._session = step_key, session
+        checks = self._quiet_checks
+        if checks is not None:
+            step = session.global_step
+            for check in checks:
+                if not check(step):
+                    break
+            else:
+                self._context = _QUIET
+                return
+        if callable(original_args):
+            original_args = original_args()
         context = SessionRunContext(original_args, session)
         fetches: dict[int, Any] = {}
         feeds: dict[str, Any] = {}
@@ -259,7 +283,7 @@ class HookedSession:
                 if options is None:
                     options = RunOptions()
                 options.merge(request.options)
-        self._context, self._fetches, self._options, self._key = context, fetches, options, step_key
+        self._context, self._fetches, self._options = context, fetches, options
         if feeds:
             _publish_feeds(step_key, feeds)
         if options is not None and options.trace_level > TraceLevel.NO_TRACE:
@@ -272,6 +296,11 @@ class HookedSession:
         if context is None:  # before_run did not complete (an earlier callback raised)
             return False
         self._context = None
+        if context is _QUIET:  # no hook has anything to do; the step still ends (data-wait clock, last_step)
+            self._traces.finish(self._key)
+            if isinstance(self._session, Session):
+                self._session.last_step = make_state
+            return False
         if _current_feeds:
             _current_feeds = {}
         fetches = self._fetches
@@ -282,7 +311,7 @@ class HookedSession:
         elif metadata.step_stats is not None and metadata.step_stats.step is None:
             state = state or make_state()
             metadata.step_stats.step = state.step
-        session = context.session
+        session = self._session
         if isinstance(session, Session):
             session.last_step = state or make_state
         options = self._options or self._no_options

@@ -105,14 +105,18 @@ class ProfilerHook(PeriodicHook):
         rank = getattr(session, "rank", 0)
         self._writes_here = self.ranks is None or rank in self.ranks
 
-    def before_run(self, run_context) -> SessionRunArgs | None:
+    def _traces_step(self, global_step: int) -> bool:
+        """Whether the step starting at `global_step` is one to trace (never the first: see after_run)."""
         timer = self._timer
-        self._request = (
-            self._writes_here
-            and timer.last_triggered_step() is not None
-            and timer.should_trigger_for_step(run_context.session.global_step + 1)
-        )
+        return (self._writes_here and timer.last_triggered_step() is not None
+                and timer.should_trigger_for_step(global_step + 1))
+
+    def before_run(self, run_context) -> SessionRunArgs | None:
+        self._request = self._traces_step(run_context.session.global_step)
         return SessionRunArgs(options=self._options) if self._request else None
+
+    def quiet_on(self, global_step: int) -> bool:
+        return self._timer.last_triggered_step() is not None and not self._traces_step(global_step)
 
     def after_run(self, run_context, run_values) -> None:
         timer = self._timer

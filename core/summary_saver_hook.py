@@ -94,12 +94,13 @@ class SummarySaverHook(PeriodicHook):
         super().after_create_session(session, coord)
         self._writes_here = getattr(session, "rank", 0) == 0
 
-    def before_run(self, run_context) -> SessionRunArgs | None:
+    def quiet_on(self, global_step: int) -> bool:
         timer = self._timer
-        self._request = self._sink is not None and self._writes_here and (
-            timer.last_triggered_step() is None
-            or timer.should_trigger_for_step(run_context.session.global_step + 1)
-        )
+        return not (self._sink is not None and self._writes_here and (
+            timer.last_triggered_step() is None or timer.should_trigger_for_step(global_step + 1)))
+
+    def before_run(self, run_context) -> SessionRunArgs | None:
+        self._request = not self.quiet_on(run_context.session.global_step)
         if not self._request:
             return None
         op = self._get_summary_op()

@@ -125,7 +125,7 @@ class HookCallback(keras.callbacks.Callback):
     def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
         session = self._session
         key = (id(self.model), session.global_step, batch)
-        self._driver.before_run(session, key, SessionRunArgs(feed_dict={"batch_idx": batch}))
+        self._driver.before_run(session, key, lambda: SessionRunArgs(feed_dict={"batch_idx": batch}))
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         session = self._session

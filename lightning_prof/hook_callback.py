@@ -91,15 +91,12 @@ class HookCallback(Callback):
     def hooks(self) -> list[SessionRunHook]:
         return self._driver.hooks
 
-    @property
-    @override
+    @functools.cached_property
     def state_key(self) -> str:
         # Lightning reads this on every hook call of every callback (to name its profiler span): computed
-        # once, at its first use (Trainer construction), the same in the run that saves and the one that resumes
-        key = self.__dict__.get("_state_key")
-        if key is None:
-            key = self.__dict__["_state_key"] = self._generate_state_key(hooks=[_hook_key(h) for h in self.hooks])
-        return key
+        # once, at its first use (Trainer construction), the same in the run that saves and the one that
+        # resumes; cached_property stores it as a plain attribute, so later reads cost no call
+        return self._generate_state_key(hooks=[_hook_key(h) for h in self.hooks])
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -136,7 +133,8 @@ class HookCallback(Callback):
             return  # inside a gradient-accumulation window: the TF step is already open
         step = self._open_at = self._session.refresh_step()
         key = (id(trainer), step, batch_idx)
-        self._driver.before_run(self._session, key, SessionRunArgs(feed_dict={"batch": batch, "batch_idx": batch_idx}))
+        self._driver.before_run(self._session, key,
+                                lambda: SessionRunArgs(feed_dict={"batch": batch, "batch_idx": batch_idx}))
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Any) -> None:
@@ -154,15 +152,16 @@ class HookCallback(Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         self._batch_running = False
-        if self._open_at is None or self._session.refresh_step() == self._open_at:
-            return  # a micro-batch whose optimizer step has not come yet
-        self._close(trainer, pl_module, outputs, batch, batch_idx)
+        if self._open_at is None:
+            return
+        step = self._session.refresh_step()
+        if step != self._open_at:  # else a micro-batch whose optimizer step has not come yet
+            self._close(trainer, pl_module, outputs, batch, batch_idx, step)
 
     def _close(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-               batch_idx: int) -> None:
+               batch_idx: int, step: int) -> None:
         self._open_at = None
         session = self._session
-        step = session.refresh_step()
         stop = self._driver.after_run(
             lambda: StepState(step, _outputs(outputs), batch, batch_idx, pl_module, trainer.callback_metrics, session)
         )
@@ -179,7 +178,7 @@ class HookCallback(Callback):
         if self._batch_running:
             self._abort()
         elif self._open_at is not None:  # the epoch ended inside a window that never stepped the optimizer
-            self._close(trainer, pl_module, None, None, None)
+            self._close(trainer, pl_module, None, None, None, self._session.refresh_step())
 
     @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -73,3 +73,16 @@ def timeline_steps(directory):
 @pytest.fixture
 def tmp_dir(tmp_path):
     return str(tmp_path)
+
+
+class NoFastPath:
+    """A hook seen without `quiet_on` (duck-typed, as hooks ported from TF are): the driver calls its
+    before_run/after_run on every step, as TF did."""
+
+    def __init__(self, hook):
+        self.hook = hook
+
+    def __getattr__(self, name):
+        if name == "quiet_on":
+            raise AttributeError(name)
+        return getattr(self.hook, name)

@@ -14,7 +14,7 @@ from core import (
 )
 from core.hooked_session import evaluate_fetches
 from core.tracing import HostTracer, StepTraceCoordinator
-from tests.conftest import RecordingHook
+from tests.conftest import NoFastPath, RecordingHook
 
 
 def run_steps(driver, session, n, outputs=None, on_step=None):
@@ -155,3 +155,32 @@ def test_a_second_request_for_more_detail_than_the_running_trace_is_warned(caplo
     assert RunOptions(TraceLevel.FULL_TRACE, True, True, True).covers(RunOptions(TraceLevel.SOFTWARE_TRACE, True))
     assert not RunOptions(TraceLevel.FULL_TRACE).covers(RunOptions(TraceLevel.FULL_TRACE, with_stack=True))
     traces.abort()
+
+
+class QuietHook(RecordingHook):
+    """Declares itself quiet on every global step that is not a multiple of 3."""
+
+    def quiet_on(self, global_step):
+        return global_step % 3 != 0
+
+
+def test_steps_on_which_every_hook_is_quiet_skip_the_hook_calls_and_still_end():
+    hook = QuietHook(fetches="loss")
+    driver = HookedSession([hook], HostTracer, StepTraceCoordinator())
+    session = ManualSession()
+    made = []
+    for _ in range(7):
+        driver.before_run(session, session.global_step, lambda: made.append(1) or SessionRunArgs())
+        session.global_step += 1
+        driver.after_run(lambda: StepState(session.global_step, {"loss": session.global_step}))
+    assert [c for c in hook.calls if c[0] == "before_run"] == [("before_run", 0), ("before_run", 3), ("before_run", 6)]
+    assert hook.results == [1, 4, 7]
+    assert len(made) == 3  # the framework's own step arguments are built only for steps a hook runs on
+    assert session.run("loss") == 7  # a quiet last step is still the session's last finished step
+
+    # one hook without quiet_on turns the fast path off: both hooks see every step, as in TF
+    quiet, plain = QuietHook(), RecordingHook()
+    driver = HookedSession([quiet, NoFastPath(plain)], HostTracer, StepTraceCoordinator())
+    run_steps(driver, ManualSession(), 4)
+    assert [c[1] for c in quiet.calls if c[0] == "before_run"] == [0, 1, 2, 3]
+    assert [c[1] for c in plain.calls if c[0] == "before_run"] == [0, 1, 2, 3]

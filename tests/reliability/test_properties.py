@@ -16,6 +16,7 @@ import lightning_prof
 from core.profiler import Profiler, ProfileFormatError
 from core.profiler.options import DEFAULTS, check_options
 from core.profiler.serialize import MAGIC
+from tests.conftest import NoFastPath
 
 ANY = st.one_of(st.none(), st.booleans(), st.integers(-3, 10**6), st.floats(allow_nan=True, allow_infinity=True),
                 st.text(max_size=4), st.lists(st.integers(-2, 4), max_size=3), st.binary(max_size=3))
@@ -133,3 +134,43 @@ def test_the_output_dir_is_created_expanded_or_refused(tmp_path, monkeypatch):
     hook = core.ProfilerHook(save_steps=1, output_dir="$HOOKPROF_PROP/a/b")
     hook.begin()
     assert os.path.isdir(tmp_path / "a" / "b")
+
+
+@settings(max_examples=40, deadline=None)
+@given(every=st.integers(1, 5), secs=st.booleans(), first=st.integers(0, 7),
+       jumps=st.lists(st.tuples(st.integers(1, 3), st.floats(0, 3)), min_size=1, max_size=14))
+def test_the_quiet_step_fast_path_changes_nothing_a_hook_does(every, secs, first, jumps):
+    """ProfilerHook and SummarySaverHook driven with their quiet_on fast path and without it fire on the same
+    steps and write the same files, on step and seconds schedules, from any starting step."""
+    from core.tracing import HostTracer, StepTraceCoordinator
+
+    results = []
+    for fast in (True, False):
+        now = [0.0]
+        schedule = {"save_secs": every} if secs else {"save_steps": every}
+        with tempfile.TemporaryDirectory() as out:
+            prof = core.ProfilerHook(output_dir=out, tensorboard=False, clock=lambda: now[0], **schedule)
+            summ = core.SummarySaverHook(output_dir=out, summary_op=core.summary.scalar("x", 1.0, collections=[]),
+                                         clock=lambda: now[0], **schedule)
+            traces = StepTraceCoordinator()
+            # one driver per hook, as each is its own callback
+            drivers = [core.HookedSession([hook if fast else NoFastPath(hook)], HostTracer, traces)
+                       for hook in (prof, summ)]
+            session = core.ManualSession()
+            session.global_step = first
+            for driver in drivers:
+                driver.begin()
+                driver.after_create_session(session)
+            fired = []
+            for steps, seconds in jumps:
+                for driver in drivers:
+                    driver.before_run(session, session.global_step, core.SessionRunArgs())
+                session.global_step += steps
+                now[0] += seconds
+                for driver in drivers:
+                    driver.after_run(lambda: core.StepState(session.global_step, {}))
+                fired.append((prof._timer.last_triggered_step(), summ._timer.last_triggered_step()))
+            for driver in drivers:
+                driver.end(session)
+            results.append((fired, [os.path.basename(p) for p in prof.saved_paths]))
+    assert results[0] == results[1]
