@@ -69,8 +69,12 @@ class _ModuleScopes:
         self._handles: list[Any] = []
 
     def install(self) -> None:
-        from torch.autograd.profiler import record_function
         from torch.nn.modules import module as nn_module
+
+        try:  # the C++ span (about 1.6 us a module call on this project's machine, against 19 for record_function)
+            from torch._C._profiler import _RecordFunctionFast as record_function
+        except ImportError:  # an older torch
+            from torch.autograd.profiler import record_function
 
         local_names, open_spans = self._local_names, self._open
 
@@ -218,6 +222,8 @@ def _convert(events: list, stats: StepStats, want_ids: bool = False, with_stack:
             start, dur, name = ev.start_ns(), ev.duration_ns(), ev.name()
             if name.startswith(BACKWARD_PREFIX):
                 backward_end = max(backward_end, start + dur)
+            elif name.startswith(MODULE_PREFIX):  # the fast C++ span reports itself as an op
+                activity = "user_annotation"
             rows.append((start, -dur, ev.start_thread_id(), len(rows), activity, name, ev))
         elif activity in _KERNEL_ACTIVITIES:
             _add_kernel(ev, activity, stats)
