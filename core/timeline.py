@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import gzip
+import itertools
 import json
 import logging
 from typing import Any, Iterable, Iterator
@@ -111,9 +112,10 @@ class ChromeTraceWriter:
                        "args": {"sort_index": order}}
         # the step span is named as torch.profiler names it, so HTA and torch's tools find iterations
         step_name = f"ProfilerStep#{stats.step if stats.step is not None else 0}"
+        inputs: _InputsMemo = {}
         for pid, dev in enumerate(stats.dev_stats):
             for node in dev.node_stats:
-                event = _op_event(node, pid, base)
+                event = _op_event(node, pid, base, inputs)
                 if node.category == "Span" and node.op == "train_step":
                     event["name"] = step_name
                 yield event
@@ -144,7 +146,13 @@ class ChromeTraceWriter:
             return write_trace(path, self.events(stats, prefix, base), tail, self.compress, self.max_events, head)
 
 
-def _op_event(node: NodeExecStats, pid: int, base: int) -> dict[str, Any]:
+# One write's serialised argument signatures, by (dtype list identity, shapes JSON): a step repeats few
+# (shapes, dtypes) pairs, so each pair's shapes and byte sizes are serialised once and shared, as orjson
+# fragments, by every op that has it (tracers share one dtype list per signature; the nodes hold it alive).
+_InputsMemo = dict
+
+
+def _op_event(node: NodeExecStats, pid: int, base: int, inputs: _InputsMemo | None = None) -> dict[str, Any]:
     args: dict[str, Any] = {"name": node.node_name, "op": node.op}
     if node.scope:
         args["scope"] = node.scope
@@ -152,9 +160,15 @@ def _op_event(node: NodeExecStats, pid: int, base: int) -> dict[str, Any]:
         args["phase"] = node.phase
     if node.input_shapes:
         # one entry per argument position, as recorded (torch's own traces use the same parallel lists)
-        args["input_shapes"] = node.input_shapes
+        shapes = orjson.dumps(node.input_shapes)
+        key = (id(node.input_dtypes), shapes)
+        fragments = None if inputs is None else inputs.get(key)
+        if fragments is None:
+            fragments = (orjson.Fragment(shapes), orjson.Fragment(orjson.dumps(node.input_bytes())))
+            if inputs is not None:
+                inputs[key] = fragments
+        args["input_shapes"], args["input_bytes"] = fragments
         args["input_dtypes"] = node.input_dtypes
-        args["input_bytes"] = node.input_bytes()
     if node.outputs:
         args["outputs"] = [t.to_json() for t in node.outputs]
     if node.args:
@@ -244,11 +258,6 @@ def _memory_events(stats: StepStats, base: int, process_prefix: str = "") -> Ite
 
 
 def _chunks(events: Iterator[dict[str, Any]]) -> Iterator[list[dict[str, Any]]]:
-    chunk: list[dict[str, Any]] = []
-    for event in events:
-        chunk.append(event)
-        if len(chunk) >= _CHUNK:
-            yield chunk
-            chunk = []
-    if chunk:
+    events = iter(events)
+    while chunk := list(itertools.islice(events, _CHUNK)):
         yield chunk
