@@ -19,6 +19,8 @@ import gzip
 import itertools
 import json
 import logging
+import queue
+import threading
 from typing import Any, Iterable, Iterator
 
 import orjson
@@ -53,7 +55,9 @@ def write_trace(path: str, events: Iterator[dict[str, Any]], tail: dict[str, Any
     count = 0
     truncated = False
     with atomic_write(path) as raw:
-        out: Any = gzip.GzipFile(fileobj=raw, mode="wb", compresslevel=1, mtime=0) if compress else raw
+        # gzip compresses on a second thread (zlib releases the GIL) while the next chunk of events is built
+        out: Any = _BackgroundWriter(gzip.GzipFile(fileobj=raw, mode="wb", compresslevel=1, mtime=0)) \
+            if compress else raw
         try:
             out.write(b"{" + (json.dumps(head)[1:-1] + ", ").encode() if head else b"{")
             out.write(b'"traceEvents":[')
@@ -76,6 +80,40 @@ def write_trace(path: str, events: Iterator[dict[str, Any]], tail: dict[str, Any
             if out is not raw:
                 out.close()
     return WriteResult(count, truncated)
+
+
+class _BackgroundWriter:
+    """Writes to `out` from a second thread, at most two chunks behind; `close()` finishes the writes, closes
+    `out` and raises the first error the thread met (a full disk), which the next `write()` raises too."""
+
+    def __init__(self, out: Any) -> None:
+        self._out = out
+        self._queue: queue.Queue[bytes | None] = queue.Queue(maxsize=2)
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="hookprof-trace-writer", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (data := self._queue.get()) is not None:
+            if self._error is None:
+                try:
+                    self._out.write(data)
+                except BaseException as err:  # handed to the writing thread at its next call
+                    self._error = err
+
+    def write(self, data: bytes) -> None:
+        if self._error is not None:
+            raise self._error
+        self._queue.put(data)
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+        try:
+            if self._error is not None:
+                raise self._error
+        finally:
+            self._out.close()
 
 
 class ChromeTraceWriter:

@@ -65,9 +65,9 @@ def op_events(trace, cat="Op"):
 
 
 def timeline_steps(directory):
-    """The step numbers of the timeline-<step>.json files in `directory`, sorted."""
-    names = [n for n in os.listdir(directory) if n.startswith("timeline-") and n.endswith(".json")]
-    return sorted(int(n[len("timeline-"):-len(".json")]) for n in names)
+    """The step numbers of the timeline-<step>.json (or .json.gz) files in `directory`, sorted."""
+    names = [n.removesuffix(".gz") for n in os.listdir(directory) if n.startswith("timeline-")]
+    return sorted(int(n[len("timeline-"):-len(".json")]) for n in names if n.endswith(".json"))
 
 
 @pytest.fixture

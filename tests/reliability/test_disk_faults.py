@@ -60,10 +60,11 @@ class Switch(core.SessionRunHook):
         self.disk.failing = 3 <= step < 6
 
 
-@pytest.mark.parametrize("error,on", [(errno.ENOSPC, "write"), (errno.EIO, "write"), (errno.EACCES, "replace")])
-def test_a_failing_disk_drops_outputs_warns_once_and_recovers(tmp_dir, caplog, error, on):
-    disk = FaultyDisk(error, on)
-    hook = ProfilerHook(save_steps=1, output_dir=tmp_dir, tensorboard=False)
+@pytest.mark.parametrize("error,on,compress", [(errno.ENOSPC, "write", False), (errno.EIO, "write", False),
+                                               (errno.EACCES, "replace", False), (errno.ENOSPC, "write", True)])
+def test_a_failing_disk_drops_outputs_warns_once_and_recovers(tmp_dir, caplog, error, on, compress):
+    disk = FaultyDisk(error, on)  # (gzip files are written from a second thread: its error must surface too)
+    hook = ProfilerHook(save_steps=1, output_dir=tmp_dir, tensorboard=False, compress=compress)
     with use_file_layer(disk):
         t = trainer(tmp_dir, [HookCallback([Switch(disk)]), hook], 8)
         t.fit(TinyModel(), loader())
