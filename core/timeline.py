@@ -137,7 +137,8 @@ class ChromeTraceWriter:
     def events(self, stats: StepStats, process_prefix: str = "", base: int | None = None
                ) -> Iterator[dict[str, Any]]:
         """The trace events of `stats`: metadata first, then ops, flows and memory; times from `base` (ns,
-        default the step's first event)."""
+        default the step's first event). Argument shapes and sizes are `orjson.Fragment`s (JSON serialised
+        once per signature and shared): serialise the events with orjson."""
         if base is None:
             base = stats.start_ns() or 0
         for pid, dev in enumerate(stats.dev_stats):
