@@ -191,7 +191,7 @@ class ChromeTraceWriter:
 _InputsMemo = dict
 
 
-def _op_event(node: NodeExecStats, pid: int, base: int, inputs: _InputsMemo | None = None) -> dict[str, Any]:
+def _op_event(node: NodeExecStats, pid: int, base: int, inputs: _InputsMemo) -> dict[str, Any]:
     args: dict[str, Any] = {"name": node.node_name, "op": node.op}
     if node.scope:
         args["scope"] = node.scope
@@ -201,11 +201,9 @@ def _op_event(node: NodeExecStats, pid: int, base: int, inputs: _InputsMemo | No
         # one entry per argument position, as recorded (torch's own traces use the same parallel lists)
         shapes = orjson.dumps(node.input_shapes)
         key = (id(node.input_dtypes), shapes)
-        fragments = None if inputs is None else inputs.get(key)
+        fragments = inputs.get(key)
         if fragments is None:
-            fragments = (orjson.Fragment(shapes), orjson.Fragment(orjson.dumps(node.input_bytes())))
-            if inputs is not None:
-                inputs[key] = fragments
+            fragments = inputs[key] = (orjson.Fragment(shapes), orjson.Fragment(orjson.dumps(node.input_bytes())))
         args["input_shapes"], args["input_bytes"] = fragments
         args["input_dtypes"] = node.input_dtypes
     if node.outputs:
