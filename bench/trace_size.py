@@ -3,8 +3,10 @@
 A plain torch MLP step (forward, backward, SGD) of 20, 200 or 6400 `Linear(64, 64)` layers (about 1k, 10k
 and 300k events) is traced by TorchTracer and written by ChromeTraceWriter; the same step under
 torch.profiler + export_chrome_trace (shapes on, memory as asked) is the peer, timed in the same process,
-runs alternating. Medians of 5 runs (3 for the largest step). Also reported: each writer alone, in events
-per second of the step's own events: ChromeTraceWriter.write against export_chrome_trace.
+runs alternating. Medians of 5 runs (3 for the largest step). Ours is timed twice: until the training can
+go on (the profiler stopped; ProfilerHook converts and writes on its background thread) and until the file is
+on disk. Also reported: each writer alone, in events per second of the step's own events:
+ChromeTraceWriter.write against export_chrome_trace.
 """
 
 import os
@@ -37,17 +39,22 @@ def make_step(layers: int):
 
 
 def ours(model, step, path, dataflow, memory, compress=False):
-    """(whole traced step to file, the write alone, events written)"""
+    """(time the training waits, whole traced step to file, the write alone, events written)
+
+    The training waits from the trace's start until the profiler has stopped (`stop_recording`): in a fit,
+    ProfilerHook converts and writes the recording on its background thread while training goes on."""
     start = time.perf_counter()
     tracer = TorchTracer(model)
     tracer.start(RunOptions(trace_level=TraceLevel.FULL_TRACE, record_dataflow=dataflow, record_memory=memory))
     step()
-    stats = tracer.stop()
+    recording = tracer.stop_recording()
+    resumed = time.perf_counter()
+    stats = recording()
     written = time.perf_counter()
     result = ChromeTraceWriter(show_dataflow=dataflow, show_memory=memory, compress=compress,
                                max_events=None).write(stats, path)
     end = time.perf_counter()
-    return end - start, end - written, result.events
+    return resumed - start, end - start, end - written, result.events
 
 
 def torch_peer(step, path, memory):
@@ -65,9 +72,9 @@ def torch_peer(step, path, memory):
 
 def main():
     out = tempfile.mkdtemp()
-    print("| step | content | events | file | gzip | traced step, ours | torch.profiler + export | ratio | "
-          "writer alone, ours | export_chrome_trace alone |")
-    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| step | content | events | file | gzip | training waits, ours | to file, ours | torch.profiler + export | "
+          "ratio, training waits | ratio, to file | writer alone, ours | export_chrome_trace alone |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for layers, repeat, contents in SIZES:
         model, step = make_step(layers)
         for label, dataflow, memory in (("ops", False, False), ("ops + dataflow", True, False),
@@ -75,21 +82,26 @@ def main():
             if contents is not None and label not in contents:
                 continue
             path, gz, peer = (os.path.join(out, n) for n in ("t.json", "t.json.gz", "p.json"))
-            times, writes, peers, exports = [], [], [], []
+            waits, times, writes, peers, exports = [], [], [], [], []
             for _ in range(repeat):
-                elapsed, write, events = ours(model, step, path, dataflow, memory)
+                waited, elapsed, write, events = ours(model, step, path, dataflow, memory)
+                waits.append(waited)
                 times.append(elapsed)
                 writes.append(write)
                 elapsed, export, peer_events = torch_peer(step, peer, memory)
                 peers.append(elapsed)
                 exports.append(export)
             ours(model, step, gz, dataflow, memory, compress=True)
-            t, p = statistics.median(times), statistics.median(peers)
+            a, t, p = statistics.median(waits), statistics.median(times), statistics.median(peers)
             w, e = statistics.median(writes), statistics.median(exports)
             print(f"| {layers} layers | {label} | {events} | {os.path.getsize(path) / 1e6:.2f} MB | "
-                  f"{os.path.getsize(gz) / 1e6:.2f} MB | {t * 1e3:.1f} ms | {p * 1e3:.1f} ms | {t / p:.2f}x | "
+                  f"{os.path.getsize(gz) / 1e6:.2f} MB | {_ms(a)} | {_ms(t)} | {_ms(p)} | {a / p:.2f}x | {t / p:.2f}x | "
                   f"{events / w / 1e6:.2f} M/s | {peer_events / e / 1e6:.2f} M/s |", flush=True)
         del model, step
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f} ms" if seconds < 1 else f"{seconds:.2f} s"
 
 
 if __name__ == "__main__":

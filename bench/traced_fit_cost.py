@@ -1,7 +1,9 @@
 """One traced step inside a real Lightning fit: this project's ProfilerHook against Lightning's own
 PyTorchProfiler (one active window of one step, exported as a Chrome trace), both measured as the extra time
-of a 20-step fit over the same fit without profiling. Same model, same recorded content (ops with shapes);
-ours also writes its TensorBoard graph and, with dataflow on (the default), the tensor arrows. Medians of 5.
+of a 19-step fit over the same fit without profiling. The traced step is the 10th, so nine ordinary steps
+follow it (ProfilerHook converts and writes on a background thread while they run; `fit` returns only once
+the file is on disk). Same model, same recorded content (ops with shapes); ours also writes its TensorBoard
+graph and, with dataflow on (the default), the tensor arrows. Medians of 5.
 """
 
 import logging
@@ -16,7 +18,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_prof import ProfilerHook
 
-STEPS = 20
+STEPS = 19
+TRACED = 10  # the traced step
 
 
 class MLP(L.LightningModule):
@@ -36,10 +39,10 @@ def fit(layers: int, kind: str) -> float:
     data = DataLoader(TensorDataset(torch.randn(STEPS * 32, 64)), batch_size=32)
     callbacks, profiler = [], None
     if kind.startswith("hookprof"):
-        callbacks = [ProfilerHook(save_steps=STEPS, output_dir=out, show_dataflow=kind == "hookprof+dataflow")]
+        callbacks = [ProfilerHook(save_steps=TRACED, output_dir=out, show_dataflow=kind == "hookprof+dataflow")]
     elif kind == "lightning PyTorchProfiler":
         profiler = PyTorchProfiler(dirpath=out, filename="trace", export_to_chrome=True, record_shapes=True,
-                                   schedule=torch.profiler.schedule(wait=STEPS - 2, warmup=0, active=1, repeat=1))
+                                   schedule=torch.profiler.schedule(wait=TRACED - 2, warmup=0, active=1, repeat=1))
     trainer = L.Trainer(max_steps=STEPS, callbacks=callbacks, profiler=profiler, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         accelerator="cpu", devices=1)

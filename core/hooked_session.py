@@ -308,9 +308,9 @@ class HookedSession:
         metadata = self._traces.finish(self._key)
         if metadata is None:
             metadata = RunMetadata()
-        elif metadata.step_stats is not None and metadata.step_stats.step is None:
+        elif metadata.step is None:  # the stats, converted later maybe, belong to the global step after this one
             state = state or make_state()
-            metadata.step_stats.step = state.step
+            metadata.step = state.step
         session = self._session
         if isinstance(session, Session):
             session.last_step = state or make_state

@@ -9,6 +9,7 @@ from typing import Any, Callable, Sequence
 
 from core import arguments
 from core.atomic_file import remove_stale_temps
+from core.background import BACKGROUND
 from core.periodic_hook import PeriodicHook
 from core.session_run_hook import RunOptions, SessionRunArgs, TraceLevel
 from core.timeline import ChromeTraceWriter
@@ -26,6 +27,11 @@ class ProfilerHook(PeriodicHook):
     named after the global step reached by the traced step. The traced step runs under the adapter's tracer
     (torch.profiler where torch is the engine) and its ops, module scopes, input shapes and phases land in
     the file, which opens in Perfetto (ui.perfetto.dev) and chrome://tracing.
+
+    The training thread waits only for torch's profiler to stop: converting the step's events and writing
+    the files run on a background thread (`core.background`) while training goes on. The next traced step,
+    `end()`, `saved_paths`, `flush()` and the Profiler's reports wait for that work, so `fit` returns with
+    every file on disk.
 
     Args:
         save_steps: write a timeline every this many global steps. Exactly one of `save_steps`/`save_secs`.
@@ -89,7 +95,7 @@ class ProfilerHook(PeriodicHook):
         )
         self._request = False
         self._writes_here = True
-        self.saved_paths: list[str] = []
+        self._saved_paths: list[str] = []
         self._events: Any = None
 
     def begin(self) -> None:
@@ -127,9 +133,23 @@ class ProfilerHook(PeriodicHook):
             session = run_context.session
             step = session.global_step
             timer.update_last_triggered_step(step)
-            self._save(step, run_values.run_metadata, session)
-            if self.profiler is not None and run_values.run_metadata.step_stats is not None:
-                self.profiler.add_step(step, run_values.run_metadata)
+            run_metadata = run_values.run_metadata
+            if run_metadata.converted and run_metadata.step_stats is None:
+                return  # the step was not traced after all (another profiler held torch's)
+            where = _Where(session)
+            # Converting the step's events and writing them costs as much as torch's profiler stop: it runs
+            # on the background thread while training goes on (see core.background).
+            BACKGROUND.submit(lambda: self._save(step, run_metadata, where))
+
+    @property
+    def saved_paths(self) -> list[str]:
+        """The timelines written so far (waits for one still being written)."""
+        BACKGROUND.wait()
+        return self._saved_paths
+
+    def flush(self) -> None:
+        """Wait until every traced step so far is on disk (files, TensorBoard, the Profiler)."""
+        BACKGROUND.wait()
 
     def timeline_path(self, step: int, rank: int = 0, world_size: int = 1) -> str:
         """The file a traced `step` is written to."""
@@ -137,18 +157,26 @@ class ProfilerHook(PeriodicHook):
         extension = ".json.gz" if self.compress else ".json"
         return os.path.join(self.output_dir or "", f"timeline-{int(step)}{suffix}{extension}")
 
-    def _save(self, step: int, run_metadata: Any, session: Any) -> None:
+    def _save(self, step: int, run_metadata: Any, where: _Where) -> None:
+        """Convert (if no one did yet) and write one traced step: timeline, TensorBoard run metadata, Profiler."""
         stats = run_metadata.step_stats
         if stats is None:
             return
-        rank, world_size = getattr(session, "rank", 0), getattr(session, "world_size", 1)
+        self._write(step, stats, where)
+        if self.profiler is not None:
+            try:
+                self.profiler.add_step(step, run_metadata)
+            except Exception:  # the Profiler's bug must not cost the timeline or the run
+                self._warn_once("profiler", "Profiler.add_step(%d) failed.", step, exc_info=True)
+
+    def _write(self, step: int, stats: Any, where: _Where) -> None:
+        rank, world_size = where.rank, where.world_size
         path = self.timeline_path(step, rank, world_size)
         log.info("Saving timeline for %d into '%s'.", step, path)
-        metadata = {"framework": getattr(session, "framework", "unknown"), "rank": rank, "world_size": world_size}
+        metadata = {"framework": where.framework, "rank": rank, "world_size": world_size}
         distributed = {"rank": rank, "world_size": world_size}
-        backend = getattr(session, "distributed_backend", None)
-        if backend:
-            distributed["backend"] = backend
+        if where.backend:
+            distributed["backend"] = where.backend
         try:
             result = self._writer.write(stats, path, metadata, distributed)
         except Exception as err:  # a full disk, or a bug of ours, must not end the training run
@@ -160,7 +188,7 @@ class ProfilerHook(PeriodicHook):
         if result.truncated:
             self._warn_once("truncated", "Timeline %s was cut at max_events=%d events; raise max_events to keep "
                             "whole steps.", path, self.max_events)
-        self.saved_paths.append(path)
+        self._saved_paths.append(path)
         if self.tensorboard:
             # ranks share the run directory: their tags must not collide
             tag = f"step_{step}" if world_size == 1 else f"step_{step}_rank{rank}"
@@ -185,9 +213,23 @@ class ProfilerHook(PeriodicHook):
         self.close()
 
     def close(self) -> None:
-        """Release the TensorBoard stream (at `end()`, and when training fails before it)."""
+        """Finish the files still being written, then release the TensorBoard stream (at `end()`, and when
+        training fails before it)."""
+        BACKGROUND.wait()
         super().close()
         self._events = None
+
+
+class _Where:
+    """Where a traced step ran, read on the training thread for the background write."""
+
+    __slots__ = ("rank", "world_size", "framework", "backend")
+
+    def __init__(self, session: Any) -> None:
+        self.rank = getattr(session, "rank", 0)
+        self.world_size = getattr(session, "world_size", 1)
+        self.framework = getattr(session, "framework", "unknown")
+        self.backend = getattr(session, "distributed_backend", None)
 
 
 def _check_ranks(owner: str, ranks: Any) -> frozenset[int] | None:

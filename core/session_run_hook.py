@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Any, NamedTuple
+import threading
+from typing import Any, Callable, NamedTuple
 
 
 class TraceLevel(enum.IntEnum):
@@ -61,11 +62,51 @@ class RunOptions:
         self.with_stack = self.with_stack or other.with_stack
 
 
-@dataclasses.dataclass
 class RunMetadata:
-    """What a traced step produced: its `StepStats` (None when the step was not traced)."""
+    """What a traced step produced: its `StepStats` (None when the step was not traced).
 
-    step_stats: Any = None  # core.step_stats.StepStats
+    A tracer may hand over its recording unconverted (`make_step_stats`): `step_stats` then converts it on
+    first use, once, on whichever thread asks first (`ProfilerHook` asks on its background thread, so the
+    training thread does not wait for the conversion). `step` is the global step after the traced step; the
+    stats get it when their tracer left it unset.
+    """
+
+    __slots__ = ("_stats", "_make", "_lock", "step")
+
+    def __init__(self, step_stats: Any = None, make_step_stats: Callable[[], Any] | None = None) -> None:
+        self._stats = step_stats  # core.step_stats.StepStats
+        self._make = make_step_stats
+        self._lock = threading.Lock() if make_step_stats is not None else None
+        self.step: int | None = None
+
+    @property
+    def step_stats(self) -> Any:
+        if self._make is not None:
+            with self._lock:  # a second reader waits here for the first one's conversion
+                make = self._make
+                if make is not None:
+                    try:
+                        self._stats = make()
+                    finally:
+                        self._make = None
+        stats = self._stats
+        if stats is not None and stats.step is None and self.step is not None:
+            stats.step = self.step
+        return stats
+
+    @step_stats.setter
+    def step_stats(self, value: Any) -> None:
+        self._make = None
+        self._stats = value
+
+    @property
+    def converted(self) -> bool:
+        """Whether the step stats exist already (reading `step_stats` would not convert anything)."""
+        return self._make is None
+
+    def __repr__(self) -> str:
+        stats = self._stats if self._make is None else "<not yet converted>"
+        return f"RunMetadata(step_stats={stats!r})"
 
 
 class SessionRunArgs(NamedTuple):

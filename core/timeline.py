@@ -48,7 +48,7 @@ def write_trace(path: str, events: Iterator[dict[str, Any]], tail: dict[str, Any
     """Stream `events` into `path` as `{**head, "traceEvents": [...], **tail}`, atomically, gzip if asked.
 
     `head` (small: `distributedInfo`) is written first with the spaced separators of kineto's own files,
-    because tools find the rank with a regex over the file's start (HolisticTraceAnalysis: `"rank":\s+N`).
+    because tools find the rank with a regex over the file's start (HolisticTraceAnalysis: `"rank":\\s+N`).
     At most `max_events` events are written; past that the rest is dropped and `tail["metadata"]` records
     `truncated: true`. The file appears only when complete (temp file + rename), never half-written.
     """

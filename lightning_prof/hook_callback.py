@@ -212,5 +212,5 @@ def _hook_key(hook: SessionRunHook) -> str:
     public attributes of plain types), so `StopAt(0.1)` and `StopAt(0.2)` are two keys."""
     settings = sorted((name, value) for name, value in vars(hook).items()
                       if not name.startswith("_") and isinstance(value, (int, float, str, bool, type(None), frozenset))
-                      and name not in ("saved_paths", "dropped_outputs", "summary_errors"))
+                      and name not in ("dropped_outputs", "summary_errors"))
     return f"{type(hook).__qualname__}{settings}"

@@ -17,6 +17,7 @@ import sys
 from typing import Any
 
 from core.atomic_file import atomic_write
+from core.background import BACKGROUND
 from core.gc_pause import paused_gc
 from core.profiler import views
 from core.profiler.options import check_options
@@ -49,6 +50,7 @@ class Profiler:
     @property
     def data(self) -> ProfileData:
         """The accumulated nodes and steps (for tools; the views are the usual way in)."""
+        BACKGROUND.wait()  # a ProfilerHook may be adding a traced step on its background thread
         return self._data
 
     def add_step(self, step: int, run_meta: Any) -> None:
@@ -82,6 +84,7 @@ class Profiler:
     def profile_operations(self, options: dict[str, Any] | None = None) -> views.OpViewResult:
         """The op view: one row per op type."""
         opts = check_options(options, "operations")
+        BACKGROUND.wait()
         with paused_gc():
             result = views.op_view(self._data, opts)
         self._emit(result.text, opts, {n for r in result.rows for n in r.nodes}, "operations")
@@ -89,6 +92,7 @@ class Profiler:
 
     def _tree(self, view: str, build, options: dict[str, Any] | None) -> views.ViewNode:
         opts = check_options(options, view)
+        BACKGROUND.wait()
         with paused_gc():
             root = views.apply_options(build(self._data, opts), opts, lift_hidden=view == "python")
             root.text = views.tree_text(root, opts)
@@ -136,6 +140,7 @@ class Profiler:
         """Run the checkers (default: all, as TF's ALL_ADVICE) and return their ranked reports."""
         from core.profiler.advisor import advise
 
+        BACKGROUND.wait()
         with paused_gc():
             return advise(self._data, options)
 
@@ -143,6 +148,7 @@ class Profiler:
         """The accumulated profile as bytes in hookprof's versioned format (see core.profiler.serialize)."""
         from core.profiler.serialize import dumps
 
+        BACKGROUND.wait()
         with paused_gc():
             return dumps(self._data)
 

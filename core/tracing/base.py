@@ -2,7 +2,8 @@
 
 Several callbacks (a `ProfilerHook`, a user's `HookCallback`, ...) may each ask for a trace of the same step.
 They all go through `STEP_TRACES`: the first request starts the step's tracer, the first `after_run` of the
-step stops it, and every hook of that step gets the same `RunMetadata`. The coordinator also records the
+step stops it, and every hook of that step gets the same `RunMetadata`, whose step stats are converted from
+the recording on first use (on `ProfilerHook`'s background thread, unless a hook reads them first). The coordinator also records the
 step's phases (data wait, forward, backward, optimizer) from the framework's callback events, so every tracer,
 the host-only one included, shows them on a "Step" thread.
 """
@@ -15,6 +16,7 @@ import logging
 import time
 from typing import Callable, Hashable
 
+from core.background import BACKGROUND
 from core.session_run_hook import RunMetadata, RunOptions
 from core.step_stats import NodeExecStats, StepStats
 
@@ -44,6 +46,12 @@ class Tracer(abc.ABC):
     @abc.abstractmethod
     def abort(self) -> None:
         """End recording after a failed step, dropping the data; must leave nothing running."""
+
+    def stop_recording(self) -> Callable[[], StepStats]:
+        """End recording now and return what converts the recording into `StepStats`, which may run later,
+        on another thread. Tracers whose conversion costs override it; by default `stop()` does all now."""
+        stats = self.stop()
+        return lambda: stats
 
 
 TracerFactory = Callable[[], Tracer]
@@ -105,6 +113,7 @@ class StepTraceCoordinator:
                     )
                 return
             self.abort()
+        BACKGROUND.wait()  # the previous traced step's conversion and files must not run inside this one
         try:
             tracer = factory()
             tracer.start(options)
@@ -134,14 +143,23 @@ class StepTraceCoordinator:
             return None
         if current.metadata is None:
             try:
-                stats = current.tracer.stop()
-            except Exception:  # a conversion bug costs this trace, never the training run
+                recording = current.tracer.stop_recording()
+            except Exception:  # a tracer bug costs this trace, never the training run
                 self._warn_once("stop", "Collecting the traced step failed; it has no timeline.", exc_info=True)
                 current.metadata = RunMetadata()
                 return current.metadata
-            stats.metadata.setdefault("tracer", current.tracer.name)
-            _add_phase_spans(stats, current, end_ns)
-            current.metadata = RunMetadata(step_stats=stats)
+
+            def make_step_stats() -> StepStats | None:
+                try:
+                    stats = recording()
+                except Exception:  # a conversion bug costs this trace, never the training run
+                    self._warn_once("stop", "Collecting the traced step failed; it has no timeline.", exc_info=True)
+                    return None
+                stats.metadata.setdefault("tracer", current.tracer.name)
+                _add_phase_spans(stats, current, end_ns)
+                return stats
+
+            current.metadata = RunMetadata(make_step_stats=make_step_stats)
         return current.metadata
 
     def abort(self) -> None:

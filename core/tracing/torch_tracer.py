@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import weakref
 from typing import Any, Iterator
 
 from core.session_run_hook import RunOptions, TraceLevel
@@ -181,13 +182,45 @@ class TorchTracer(Tracer):
             self._close()
 
     def stop(self) -> StepStats:
-        with self._ending() as execution_trace:
+        return self.stop_recording()()
+
+    def stop_recording(self) -> _Recording:
+        """Stop torch's profiler now; the conversion of its events (the costly part) is left to the caller."""
+        execution_trace = self._execution_trace
+        try:
             results = self._close()
-            stats = StepStats(metadata={"torch_version": torch.__version__})
+        except BaseException:
+            with self._ending():
+                raise
+        self._execution_trace = None
+        return _Recording(results, execution_trace, self._options)
+
+
+class _Recording:
+    """A stopped step's kineto results (and execution-trace file), converted to `StepStats` when called.
+
+    Safe to call on another thread: the results no longer change once the profiler stopped. The
+    execution-trace temp file goes when the conversion reads it, or when the recording is dropped unread.
+    """
+
+    def __init__(self, results: Any, execution_trace: ExecutionTrace | None, options: RunOptions) -> None:
+        self._results = results
+        self._execution_trace = execution_trace
+        self._options = options
+        self._discard = weakref.finalize(self, execution_trace.discard) if execution_trace is not None else None
+
+    def __call__(self) -> StepStats:
+        results, self._results = self._results, None
+        execution_trace, self._execution_trace = self._execution_trace, None
+        stats = StepStats(metadata={"torch_version": torch.__version__})
+        try:
             if results is not None:
                 with paused_gc():
                     self._collect(results, stats, execution_trace)
-            return stats
+        finally:
+            if self._discard is not None:
+                self._discard()
+        return stats
 
     def _collect(self, results: Any, stats: StepStats, execution_trace: ExecutionTrace | None) -> None:
         stats.metadata["trace_start_ns"] = results.trace_start_ns()

@@ -14,14 +14,20 @@ from tests.lightning_models import TinyModel, loader, trainer
 
 
 class FaultyDisk(FileLayer):
-    """Fails writes with `error` while `failing` is set, after some bytes went through (mid-file)."""
+    """Fails the writes of the files of `failing_steps` with `error` (after some bytes went through: mid-file)
+    or their rename. Keyed by file, not by time: timelines are written on a background thread."""
 
-    def __init__(self, error: int, on: str):
-        self.error, self.on, self.failing = error, on, False
+    def __init__(self, error: int, on: str, failing_steps=(3, 4, 5)):
+        self.error, self.on = error, on
+        self.failing = {f"timeline-{s}.json" for s in failing_steps}
+
+    def _fails(self, path):  # the file itself or its temp sibling `.<name>.<pid>.<random>.tmp`
+        name = os.path.basename(path).lstrip(".")
+        return any(name.startswith(failing) for failing in self.failing)
 
     def open_temp(self, path):
         f = super().open_temp(path)
-        if self.failing and self.on == "write":
+        if self.on == "write" and self._fails(path):
             layer = self
 
             class Breaks:
@@ -44,20 +50,20 @@ class FaultyDisk(FileLayer):
         return f
 
     def replace(self, source, target):
-        if self.failing and self.on == "replace":
+        if self.on == "replace" and self._fails(target):
             raise OSError(self.error, os.strerror(self.error))
         super().replace(source, target)
 
 
 class Switch(core.SessionRunHook):
-    """Turns the fault on before step 3 and off before step 6."""
+    """Turns a fault on before step 3 and off before step 6."""
 
-    def __init__(self, disk):
-        self.disk = disk
+    def __init__(self, fault):
+        self.fault = fault
 
     def before_run(self, run_context):
         step = run_context.session.global_step + 1
-        self.disk.failing = 3 <= step < 6
+        self.fault.failing = 3 <= step < 6
 
 
 @pytest.mark.parametrize("error,on,compress", [(errno.ENOSPC, "write", False), (errno.EIO, "write", False),
@@ -66,7 +72,7 @@ def test_a_failing_disk_drops_outputs_warns_once_and_recovers(tmp_dir, caplog, e
     disk = FaultyDisk(error, on)  # (gzip files are written from a second thread: its error must surface too)
     hook = ProfilerHook(save_steps=1, output_dir=tmp_dir, tensorboard=False, compress=compress)
     with use_file_layer(disk):
-        t = trainer(tmp_dir, [HookCallback([Switch(disk)]), hook], 8)
+        t = trainer(tmp_dir, [hook], 8)
         t.fit(TinyModel(), loader())
     assert t.global_step == 8  # training finished
     assert timeline_steps(tmp_dir) == [2, 6, 7, 8]  # 3, 4, 5 dropped; written again once the fault cleared

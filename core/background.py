@@ -1,0 +1,81 @@
+"""Work taken off the training thread: a traced step's conversion, timeline file and TensorBoard record.
+
+After a traced step, torch's profiler has stopped but turning its events into `StepStats` and writing them
+costs as much again (tens of microseconds per thousand events, all Python). `BACKGROUND` runs those jobs on
+one worker thread, in the order they came, while training goes on in torch's kernels (which release the GIL).
+
+Where the order matters, callers wait for the worker to go idle:
+- before a new trace starts (`StepTraceCoordinator.start`), so a conversion never runs inside the next
+  traced step and distorts its timings, and at most one step's data is pending at a time;
+- at a hook's `end()`/`close()`, so every file is on disk when `fit` returns;
+- before the `Profiler` reports, so its views include every step traced so far.
+
+The thread exists only while there is work (it is not a daemon: the interpreter finishes a write in progress
+before it exits, and no file is left half-written).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import threading
+from typing import Callable
+
+log = logging.getLogger(__name__)
+
+
+class Background:
+    """One worker thread, started on demand, that runs submitted jobs in order and ends when none are left."""
+
+    def __init__(self, name: str = "hookprof-background") -> None:
+        self.name = name
+        self._jobs: collections.deque[Callable[[], None]] = collections.deque()
+        self._idle = threading.Condition()
+        self._thread: threading.Thread | None = None
+
+    def submit(self, job: Callable[[], None]) -> None:
+        """Run `job()` on the worker after the jobs already submitted. A job's exception is logged, never
+        raised: jobs handle their own failures (a failed write must not end training)."""
+        with self._idle:
+            self._jobs.append(job)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._work, name=self.name)
+                self._thread.start()
+
+    def wait(self) -> None:
+        """Return once every job submitted so far has run (at once when called from a job)."""
+        with self._idle:
+            while self._thread is not None and self._thread is not threading.current_thread():
+                self._idle.wait()
+
+    @property
+    def busy(self) -> bool:
+        """Whether a job is running or waiting."""
+        return self._thread is not None
+
+    def _work(self) -> None:
+        while True:
+            with self._idle:
+                if not self._jobs:
+                    self._thread = None
+                    self._idle.notify_all()
+                    return
+                job = self._jobs.popleft()
+            try:
+                job()
+            except BaseException:  # a bug of ours: logged, and the next job still runs
+                log.exception("A hookprof background job failed")
+
+
+BACKGROUND = Background()
+
+
+def _after_fork_in_child() -> None:
+    """A forked child (a DataLoader worker) has no worker thread, and the lock may have been held at the
+    fork: start afresh there."""
+    BACKGROUND.__init__(BACKGROUND.name)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)

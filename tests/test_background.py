@@ -1,0 +1,154 @@
+"""A traced step's conversion and files run on the background thread: the training thread does not wait for
+them, the next trace waits until they are done, readers (`saved_paths`, the Profiler) see every step traced
+so far, failures there cost the file only, and a recording nobody reads leaves no temp file."""
+
+import gc
+import os
+import threading
+
+import torch
+
+from core import (HookedSession, ManualSession, NodeExecStats, ProfilerHook, RunOptions, SessionRunArgs, StepState,
+                  StepStats, TraceLevel)
+from core.background import BACKGROUND, Background
+from core.profiler import Profiler
+from core.tracing import HOST_DEVICE, StepTraceCoordinator, Tracer
+from core.tracing.torch_tracer import TorchTracer
+from tests.conftest import load_trace
+
+
+class GatedTracer(Tracer):
+    """Its conversion waits for `gate` and raises for the steps in `broken`; it logs what happens, in order."""
+
+    name = "gated"
+
+    def __init__(self, gate, log, broken=()):
+        self.gate, self.log, self.broken = gate, log, broken
+        self.number = 0
+
+    def start(self, options):
+        self.number = sum(1 for entry in self.log if entry[0] == "start") + 1
+        self.log.append(("start", self.number))
+
+    def stop(self):
+        raise AssertionError("the coordinator must use stop_recording")
+
+    def stop_recording(self):
+        number = self.number
+
+        def convert():
+            self.gate.wait(10)
+            self.log.append(("converted", number, threading.current_thread() is threading.main_thread()))
+            if number in self.broken:
+                raise RuntimeError("conversion bug")
+            stats = StepStats()
+            stats.device(HOST_DEVICE).node_stats.append(
+                NodeExecStats("net/fc/aten::addmm", "aten::addmm", 1000, 500, 1, "net/fc"))
+            return stats
+
+        return convert
+
+    def abort(self):
+        pass
+
+
+def drive(tmp_dir, gate, log, steps, broken=(), profiler=None, on_after_run=None):
+    tracer = GatedTracer(gate, log, broken)
+    hook = ProfilerHook(save_steps=1, output_dir=tmp_dir, tensorboard=False, profiler=profiler)
+    driver = HookedSession([hook], lambda: tracer, StepTraceCoordinator())
+    session = ManualSession()
+    driver.begin()
+    driver.after_create_session(session)
+    for _ in range(steps):
+        driver.before_run(session, ("k", session.global_step), SessionRunArgs())
+        session.global_step += 1
+        driver.after_run(lambda: StepState(session.global_step))
+        if on_after_run:
+            on_after_run(session.global_step)
+    return hook, driver, session
+
+
+def test_the_training_thread_does_not_wait_for_the_conversion_and_the_next_trace_waits_for_it(tmp_dir):
+    gate, log = threading.Event(), []
+    seen = []
+
+    def after_run(step):  # the step is over for the training loop; its timeline cannot exist yet
+        seen.append((step, os.path.exists(os.path.join(tmp_dir, f"timeline-{step}.json")), BACKGROUND.busy))
+        if step == 2:
+            threading.Timer(0.2, gate.set).start()  # released while the training thread asks for the next trace
+
+    hook, driver, session = drive(tmp_dir, gate, log, 3, on_after_run=after_run)
+    driver.end(session)
+    # step 1 only starts the count; step 2 is traced and converted on the background thread while the
+    # training thread went on to step 3, whose trace started only once step 2's conversion was done
+    assert seen[1] == (2, False, True)
+    assert log == [("start", 1), ("converted", 1, False), ("start", 2), ("converted", 2, False)]
+    assert [os.path.basename(p) for p in hook.saved_paths] == ["timeline-2.json", "timeline-3.json"]
+    assert not BACKGROUND.busy
+    names = [e["name"] for e in load_trace(hook.saved_paths[0])["traceEvents"] if e.get("ph") == "X"]
+    assert "aten::addmm" in names
+
+
+def test_readers_wait_for_the_steps_traced_so_far(tmp_dir):
+    gate, log = threading.Event(), []
+    profiler = Profiler()
+    hook, driver, session = drive(tmp_dir, gate, log, 2, profiler=profiler)
+    assert log == [("start", 1)]  # converting: the job waits for the gate
+    threading.Timer(0.2, gate.set).start()
+    rows = profiler.profile_operations({"output": "none"}).rows  # waits for the job, then reports it
+    assert [row.name for row in rows] == ["aten::addmm"]
+    assert [os.path.basename(p) for p in hook.saved_paths] == ["timeline-2.json"]
+    driver.end(session)
+
+
+def test_a_failed_conversion_costs_its_timeline_only(tmp_dir, caplog):
+    gate, log = threading.Event(), []
+    gate.set()
+    hook, driver, session = drive(tmp_dir, gate, log, 4, broken=(1,))
+    driver.end(session)
+    assert [os.path.basename(p) for p in hook.saved_paths] == ["timeline-3.json", "timeline-4.json"]
+    assert sum("Collecting the traced step failed" in r.getMessage() for r in caplog.records) == 1
+    assert session.global_step == 4
+
+
+def test_one_conversion_serves_every_reader_and_carries_the_step():
+    calls = []
+    from core.session_run_hook import RunMetadata
+
+    def make():
+        calls.append(threading.current_thread().name)
+        return StepStats()
+
+    metadata = RunMetadata(make_step_stats=make)
+    metadata.step = 7
+    assert not metadata.converted
+    threads = [threading.Thread(target=lambda: metadata.step_stats) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1 and metadata.converted
+    assert metadata.step_stats.step == 7
+
+
+def test_jobs_run_in_order_and_a_failing_job_does_not_stop_the_next(caplog):
+    worker, done = Background("test-worker"), []
+    worker.submit(lambda: done.append(1))
+    worker.submit(lambda: 1 / 0)
+    worker.submit(lambda: done.append(3))
+    worker.wait()
+    assert done == [1, 3] and not worker.busy
+    assert any("background job failed" in r.getMessage() for r in caplog.records)
+
+
+def test_a_recording_nobody_reads_leaves_no_execution_trace_file():
+    model = torch.nn.Linear(4, 4)
+    tracer = TorchTracer(model)
+    tracer.start(RunOptions(trace_level=TraceLevel.FULL_TRACE, record_dataflow=True))
+    model(torch.randn(2, 4)).sum().backward()
+    recording = tracer.stop_recording()
+    path = recording._execution_trace.path
+    assert os.path.exists(path)
+    del recording
+    gc.collect()
+    assert not os.path.exists(path)
