@@ -3,8 +3,10 @@ TensorBoard's own EventAccumulator."""
 
 import os
 
+import hypothesis
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from core.event_writer import use_fast_checksums
 from core.tensorboard_graph import graph_name
 from lightning_prof import ProfilerHook
 from tests.lightning_models import TinyModel, loader, trainer
@@ -46,3 +48,16 @@ def test_tensorboard_false_writes_no_event_file(tmp_dir):
     trainer(tmp_dir, [hook], 2, logger=False).fit(TinyModel(), loader())
     assert [n for n in os.listdir(tmp_dir) if "tfevents" in n] == []
     assert os.listdir(tmp_dir) == ["timeline-2.json"]
+
+
+@hypothesis.settings(max_examples=200, deadline=None)
+@hypothesis.given(data=hypothesis.strategies.binary(max_size=4096))
+def test_the_fast_record_checksum_is_tensorboards_own(data):
+    # TensorBoard's reader checks each record with its pure-Python CRC (the files above pass through it);
+    # the writer gets google-crc32c's C one: they must agree on any record
+    from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
+    from tensorboard.summary.writer import record_writer
+
+    assert use_fast_checksums()  # installed with the tensorboard extra
+    assert record_writer.masked_crc32c is not masked_crc32c
+    assert record_writer.masked_crc32c(data) == masked_crc32c(data)
