@@ -39,9 +39,18 @@ class Background:
         raised: jobs handle their own failures (a failed write must not end training)."""
         with self._idle:
             self._jobs.append(job)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._work, name=self.name)
-                self._thread.start()
+            if self._thread is not None:
+                return
+            thread = threading.Thread(target=self._work, name=self.name)
+            try:
+                thread.start()
+            except RuntimeError:  # no thread to be had (a thread limit, an interpreter shutting down)
+                self._jobs.remove(job)
+            else:
+                self._thread = thread
+                return
+        log.warning("No background thread could start; writing on the training thread.", exc_info=True)
+        self._run(job)
 
     def wait(self) -> None:
         """Return once every job submitted so far has run (at once when called from a job)."""
@@ -62,20 +71,25 @@ class Background:
                     self._idle.notify_all()
                     return
                 job = self._jobs.popleft()
-            try:
-                job()
-            except BaseException:  # a bug of ours: logged, and the next job still runs
-                log.exception("A hookprof background job failed")
+            self._run(job)
+
+    @staticmethod
+    def _run(job: Callable[[], None]) -> None:
+        try:
+            job()
+        except Exception:  # a bug of ours: logged, and the next job still runs
+            log.exception("A hookprof background job failed")
 
 
 BACKGROUND = Background()
 
 
 def _after_fork_in_child() -> None:
-    """A forked child (a DataLoader worker) has no worker thread, and the lock may have been held at the
-    fork: start afresh there."""
+    """A forked child has no worker thread: it starts afresh there."""
     BACKGROUND.__init__(BACKGROUND.name)
 
 
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
+    # A fork (DataLoader workers start so, often right after a traced epoch-end step) waits for the worker:
+    # a child forked mid-job would inherit its locks held and the garbage collector paused.
+    os.register_at_fork(before=BACKGROUND.wait, after_in_child=_after_fork_in_child)

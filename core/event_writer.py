@@ -30,15 +30,20 @@ class EventWriter:
     def __init__(self, logdir: str) -> None:
         self.logdir = logdir
         self._writer: Any = None
+        self._opening = threading.Lock()  # hooks write from the training thread and ProfilerHook's background one
 
     def add_event(self, event: Any) -> None:
-        if self._writer is None:
-            from tensorboard.summary.writer.event_file_writer import EventFileWriter
+        writer = self._writer
+        if writer is None:
+            with self._opening:
+                writer = self._writer
+                if writer is None:
+                    from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
-            os.makedirs(self.logdir, exist_ok=True)
-            self._writer = EventFileWriter(self.logdir, filename_suffix=".hookprof")
-        self._writer.add_event(event)
-        self._writer.flush()
+                    os.makedirs(self.logdir, exist_ok=True)
+                    writer = self._writer = EventFileWriter(self.logdir, filename_suffix=".hookprof")
+        writer.add_event(event)
+        writer.flush()
 
     def flush(self) -> None:
         if self._writer is not None:
@@ -117,10 +122,13 @@ class _LoggerSink:
     def __init__(self, logger: Any) -> None:
         self._logger = logger
         self._sink: Any = None
+        self._resolving = threading.Lock()
 
     def _resolve(self) -> Any:
         if self._sink is None:
-            self._sink = as_event_sink(self._logger.experiment, "summary_writer")
+            with self._resolving:  # the training thread and the background one may both write first
+                if self._sink is None:
+                    self._sink = as_event_sink(self._logger.experiment, "summary_writer")
         return self._sink
 
     def add_event(self, event: Any) -> None:

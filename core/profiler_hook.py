@@ -99,6 +99,7 @@ class ProfilerHook(PeriodicHook):
         self._events: Any = None
 
     def begin(self) -> None:
+        BACKGROUND.wait()  # a previous fit's last timeline goes to that fit's directory and stream first
         if self.output_dir is None:
             self.output_dir = os.getcwd()
         arguments.make_dir(type(self).__name__, "output_dir", self.output_dir)
@@ -136,10 +137,10 @@ class ProfilerHook(PeriodicHook):
             run_metadata = run_values.run_metadata
             if run_metadata.converted and run_metadata.step_stats is None:
                 return  # the step was not traced after all (another profiler held torch's)
-            where = _Where(session)
+            job = _Job(step, run_metadata, session, self)
             # Converting the step's events and writing them costs as much as torch's profiler stop: it runs
             # on the background thread while training goes on (see core.background).
-            BACKGROUND.submit(lambda: self._save(step, run_metadata, where))
+            BACKGROUND.submit(lambda: self._save(job))
 
     @property
     def saved_paths(self) -> list[str]:
@@ -157,28 +158,23 @@ class ProfilerHook(PeriodicHook):
         extension = ".json.gz" if self.compress else ".json"
         return os.path.join(self.output_dir or "", f"timeline-{int(step)}{suffix}{extension}")
 
-    def _save(self, step: int, run_metadata: Any, where: _Where) -> None:
+    def _save(self, job: _Job) -> None:
         """Convert (if no one did yet) and write one traced step: timeline, TensorBoard run metadata, Profiler."""
-        stats = run_metadata.step_stats
+        stats = job.run_metadata.step_stats
         if stats is None:
             return
-        self._write(step, stats, where)
+        self._write(job, stats)
         if self.profiler is not None:
             try:
-                self.profiler.add_step(step, run_metadata)
+                self.profiler.add_step(job.step, job.run_metadata)
             except Exception:  # the Profiler's bug must not cost the timeline or the run
-                self._warn_once("profiler", "Profiler.add_step(%d) failed.", step, exc_info=True)
+                self._warn_once("profiler", "Profiler.add_step(%d) failed.", job.step, exc_info=True)
 
-    def _write(self, step: int, stats: Any, where: _Where) -> None:
-        rank, world_size = where.rank, where.world_size
-        path = self.timeline_path(step, rank, world_size)
-        log.info("Saving timeline for %d into '%s'.", step, path)
-        metadata = {"framework": where.framework, "rank": rank, "world_size": world_size}
-        distributed = {"rank": rank, "world_size": world_size}
-        if where.backend:
-            distributed["backend"] = where.backend
+    def _write(self, job: _Job, stats: Any) -> None:
+        path = job.path
+        log.info("Saving timeline for %d into '%s'.", job.step, path)
         try:
-            result = self._writer.write(stats, path, metadata, distributed)
+            result = self._writer.write(stats, path, job.metadata, job.distributed)
         except Exception as err:  # a full disk, or a bug of ours, must not end the training run
             self.dropped_outputs += 1
             reason = (err.strerror or str(err)) if isinstance(err, OSError) else type(err).__name__
@@ -189,19 +185,15 @@ class ProfilerHook(PeriodicHook):
             self._warn_once("truncated", "Timeline %s was cut at max_events=%d events; raise max_events to keep "
                             "whole steps.", path, self.max_events)
         self._saved_paths.append(path)
-        if self.tensorboard:
-            # ranks share the run directory: their tags must not collide
-            tag = f"step_{step}" if world_size == 1 else f"step_{step}_rank{rank}"
-            self._add_run_metadata(stats, tag, step)
+        if job.events is not None:
+            self._add_run_metadata(job.events, stats, job.tag, job.step)
 
-    def _add_run_metadata(self, stats: Any, tag: str, step: int) -> None:
+    def _add_run_metadata(self, events: Any, stats: Any, tag: str, step: int) -> None:
         """TF's `add_run_metadata(run_metadata, "step_N")`: the graph and stats for TensorBoard."""
-        if self._events is None:
-            return
         try:
             from core import tensorboard_graph
 
-            tensorboard_graph.add_run_metadata(self._events, stats, tag, step)
+            tensorboard_graph.add_run_metadata(events, stats, tag, step)
         except ImportError:
             self._warn_once("no tensorboard", "The tensorboard package is not installed: timelines are written "
                             "but not the step_N graphs; pip install tensorboard, or pass tensorboard=False.")
@@ -220,16 +212,26 @@ class ProfilerHook(PeriodicHook):
         self._events = None
 
 
-class _Where:
-    """Where a traced step ran, read on the training thread for the background write."""
+class _Job:
+    """One traced step to write, with where it goes fixed on the training thread when the step ended (a next
+    fit may change the hook's directory and event stream before the background thread gets to it)."""
 
-    __slots__ = ("rank", "world_size", "framework", "backend")
+    __slots__ = ("step", "run_metadata", "path", "metadata", "distributed", "events", "tag")
 
-    def __init__(self, session: Any) -> None:
-        self.rank = getattr(session, "rank", 0)
-        self.world_size = getattr(session, "world_size", 1)
-        self.framework = getattr(session, "framework", "unknown")
-        self.backend = getattr(session, "distributed_backend", None)
+    def __init__(self, step: int, run_metadata: Any, session: Any, hook: ProfilerHook) -> None:
+        rank, world_size = getattr(session, "rank", 0), getattr(session, "world_size", 1)
+        self.step = step
+        self.run_metadata = run_metadata
+        self.path = hook.timeline_path(step, rank, world_size)
+        self.metadata = {"framework": getattr(session, "framework", "unknown"), "rank": rank,
+                         "world_size": world_size}
+        self.distributed = {"rank": rank, "world_size": world_size}
+        backend = getattr(session, "distributed_backend", None)
+        if backend:
+            self.distributed["backend"] = backend
+        self.events = hook._events if hook.tensorboard else None
+        # ranks share the run directory: their tags must not collide
+        self.tag = f"step_{step}" if world_size == 1 else f"step_{step}_rank{rank}"
 
 
 def _check_ranks(owner: str, ranks: Any) -> frozenset[int] | None:

@@ -67,11 +67,10 @@ class RunMetadata:
 
     A tracer may hand over its recording unconverted (`make_step_stats`): `step_stats` then converts it on
     first use, once, on whichever thread asks first (`ProfilerHook` asks on its background thread, so the
-    training thread does not wait for the conversion). `step` is the global step after the traced step; the
-    stats get it when their tracer left it unset.
+    training thread does not wait for the conversion). Treat the stats as read-only: the background thread
+    may be writing them to a file while a hook reads them. `step` is the global step after the traced step;
+    the stats get it when their tracer left it unset.
     """
-
-    __slots__ = ("_stats", "_make", "_lock", "step")
 
     def __init__(self, step_stats: Any = None, make_step_stats: Callable[[], Any] | None = None) -> None:
         self._stats = step_stats  # core.step_stats.StepStats

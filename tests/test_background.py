@@ -152,3 +152,77 @@ def test_a_recording_nobody_reads_leaves_no_execution_trace_file():
     del recording
     gc.collect()
     assert not os.path.exists(path)
+
+
+def test_a_fork_waits_for_the_job_and_the_child_has_its_garbage_collector(tmp_dir):
+    # DataLoader workers are forked, often right after a traced epoch-end step: a child forked mid-job would
+    # inherit held locks and a paused collector
+    gate, log = threading.Event(), []
+    hook, driver, session = drive(tmp_dir, gate, log, 2)
+    assert BACKGROUND.busy
+    threading.Timer(0.2, gate.set).start()
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report what it inherited, and leave at once
+        os.write(write, f"{gc.isenabled()} {len(log)} {BACKGROUND.busy}".encode())
+        os._exit(0)
+    os.close(write)
+    report = os.read(read, 100).decode()
+    os.waitpid(pid, 0)
+    os.close(read)
+    assert report == "True 2 False"  # the conversion had finished before the fork
+    driver.end(session)
+
+
+def test_the_file_goes_where_the_step_was_traced_even_if_the_next_fit_moves_the_hook(tmp_dir):
+    gate, log = threading.Event(), []
+    first, second = os.path.join(tmp_dir, "first"), os.path.join(tmp_dir, "second")
+    tracer = GatedTracer(gate, log)
+    hook = ProfilerHook(save_steps=1, output_dir=None, tensorboard=False)
+    hook.set_default_output_dir(first)
+    driver = HookedSession([hook], lambda: tracer, StepTraceCoordinator())
+    session = ManualSession()
+    driver.begin()
+    driver.after_create_session(session)
+    for _ in range(2):
+        driver.before_run(session, ("k", session.global_step), SessionRunArgs())
+        session.global_step += 1
+        driver.after_run(lambda: StepState(session.global_step))
+    hook.set_default_output_dir(second)  # the next fit's directory, set while step 2 is still being written
+    gate.set()
+    hook.flush()
+    assert os.listdir(first) == ["timeline-2.json"]
+    driver.end(session)
+
+
+def test_a_job_runs_on_the_training_thread_when_no_thread_can_start(monkeypatch, caplog):
+    worker, ran_on = Background("test-worker"), []
+
+    def refuse(thread):
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(threading.Thread, "start", refuse)
+    worker.submit(lambda: ran_on.append(threading.current_thread() is threading.main_thread()))
+    assert ran_on == [True] and not worker.busy  # and so wait() cannot hang
+    assert any("No background thread" in r.getMessage() for r in caplog.records)
+
+
+def test_overlapping_gc_pauses_on_two_threads_restore_the_collector_once_both_end():
+    from core.gc_pause import paused_gc
+
+    inside, leave = threading.Event(), threading.Event()
+
+    def other():
+        with paused_gc():
+            inside.set()
+            leave.wait(5)
+
+    assert gc.isenabled()
+    thread = threading.Thread(target=other)
+    with paused_gc():
+        thread.start()
+        inside.wait(5)
+    assert not gc.isenabled()  # the other thread's pause still runs
+    leave.set()
+    thread.join()
+    assert gc.isenabled()

@@ -57,6 +57,7 @@ class Profiler:
         """Add one traced step's `RunMetadata` (the same step added twice accumulates)."""
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"add_step(step={step!r}): `step` must be an int >= 0.")
+        BACKGROUND.wait()  # a ProfilerHook's own add_step may be running on the background thread
         stats = getattr(run_meta, "step_stats", run_meta)
         if not isinstance(stats, StepStats):
             raise TypeError(f"add_step: `run_meta` must be a RunMetadata of a traced step, got {type(run_meta).__name__}.")
