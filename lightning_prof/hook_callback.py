@@ -48,6 +48,12 @@ class LightningSession(Session):
         self._step = self.trainer.global_step
         return self._step
 
+    def batch_start_step(self) -> int:
+        """The global step as a batch starts: the value read at the previous batch's end (nothing between a
+        batch's end and the next one's start steps an optimizer, validation included), else a fresh read."""
+        step = self._step
+        return self.refresh_step() if step is None else step
+
 
 def _outputs(outputs: Any) -> dict[str, Any]:
     """training_step's return as a dict: a bare loss becomes `{"loss": loss}`."""
@@ -121,6 +127,7 @@ class HookCallback(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._open_at = None
         self._batch_running = False
+        self._session._step = None  # read afresh at the first batch
         self._driver.after_create_session(self._session)
 
     @override
@@ -131,7 +138,7 @@ class HookCallback(Callback):
         self._batch_running = True
         if self._open_at is not None:
             return  # inside a gradient-accumulation window: the TF step is already open
-        step = self._open_at = self._session.refresh_step()
+        step = self._open_at = self._session.batch_start_step()
         key = (id(trainer), step, batch_idx)
         self._driver.before_run(self._session, key,
                                 lambda: SessionRunArgs(feed_dict={"batch": batch, "batch_idx": batch_idx}))
