@@ -1,19 +1,15 @@
 """A traced step's conversion and files run on the background thread: the training thread does not wait for
 them, the next trace waits until they are done, readers (`saved_paths`, the Profiler) see every step traced
-so far, failures there cost the file only, and a recording nobody reads leaves no temp file."""
+so far, failures there cost the file only, forks wait for it."""
 
 import gc
 import os
 import threading
 
-import torch
-
-from core import (HookedSession, ManualSession, NodeExecStats, ProfilerHook, RunOptions, SessionRunArgs, StepState,
-                  StepStats, TraceLevel)
+from core import HookedSession, ManualSession, NodeExecStats, ProfilerHook, SessionRunArgs, StepState, StepStats
 from core.background import BACKGROUND, Background
 from core.profiler import Profiler
 from core.tracing import HOST_DEVICE, StepTraceCoordinator, Tracer
-from core.tracing.torch_tracer import TorchTracer
 from tests.conftest import load_trace
 
 
@@ -139,19 +135,6 @@ def test_jobs_run_in_order_and_a_failing_job_does_not_stop_the_next(caplog):
     worker.wait()
     assert done == [1, 3] and not worker.busy
     assert any("background job failed" in r.getMessage() for r in caplog.records)
-
-
-def test_a_recording_nobody_reads_leaves_no_execution_trace_file():
-    model = torch.nn.Linear(4, 4)
-    tracer = TorchTracer(model)
-    tracer.start(RunOptions(trace_level=TraceLevel.FULL_TRACE, record_dataflow=True))
-    model(torch.randn(2, 4)).sum().backward()
-    recording = tracer.stop_recording()
-    path = recording._execution_trace.path
-    assert os.path.exists(path)
-    del recording
-    gc.collect()
-    assert not os.path.exists(path)
 
 
 def test_a_fork_waits_for_the_job_and_the_child_has_its_garbage_collector(tmp_dir):

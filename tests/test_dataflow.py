@@ -99,7 +99,7 @@ def test_find_edges_rules_on_synthetic_ops():
 
 
 def test_every_traced_step_of_a_process_has_the_same_arrows(tmp_dir):
-    """The execution trace's ids drift from the profiler's after the first session: still linked."""
+    """Every traced step of a process, not only the first profiler session's, links its ops to its tensors."""
     hook = ProfilerHook(save_steps=1, output_dir=tmp_dir, show_memory=True)
     trainer(tmp_dir, [hook], 4).fit(TinyModel(), loader())
     counts = []
@@ -114,3 +114,27 @@ def test_every_traced_step_of_a_process_has_the_same_arrows(tmp_dir):
         counts.append(len(flows))
     # the same step, traced three times: the same arrows, give or take an edge whose ends touch in time
     assert len(counts) == 3 and min(counts) > 20 and max(counts) - min(counts) <= 2
+
+
+def test_views_in_place_writes_and_tensor_lists_on_a_real_trace():
+    # a view (t) is the datum it aliases; an in-place write (add_) is a new version whose producer it becomes;
+    # a tensor-list argument (cat) reads each of its tensors
+    import torch
+
+    from core import RunOptions, TraceLevel
+    from core.tracing.torch_tracer import TorchTracer
+
+    a, b = torch.randn(4, 4), torch.randn(4, 4)
+    tracer = TorchTracer()
+    tracer.start(RunOptions(trace_level=TraceLevel.FULL_TRACE, record_dataflow=True))
+    m = a.mm(b)            # produces m
+    m.t().relu()           # relu reads m through the view: its producer is mm, not t
+    m.add_(1.0)            # a new version of m
+    torch.cat([m, b]).sum()  # reads the new version
+    stats = tracer.stop()
+    edges = {(e.producer.op, e.consumer.op) for e in stats.edges}
+    assert ("aten::mm", "aten::relu") in edges and ("aten::t", "aten::relu") not in edges
+    assert ("aten::mm", "aten::add_") in edges
+    assert ("aten::add_", "aten::cat") in edges and ("aten::mm", "aten::cat") not in edges
+    mm = next(n for d in stats.dev_stats for n in d.node_stats if n.op == "aten::mm")
+    assert [(t.dtype, t.shape) for t in mm.outputs] == [("float32", (4, 4))]

@@ -9,13 +9,10 @@ has other sizes): identity first, then a consistency check of the size.
 
 from __future__ import annotations
 
-from math import prod
 from typing import Any
 
-from core.step_stats import DTYPE_ITEMSIZE, AllocatorSample, NodeExecStats, StepStats, TensorAllocation, TensorDescription
-
-# ops that only hand out memory for the op around them: the allocation is credited to that op
-_ALLOCATING_PLUMBING = ("aten::empty", "aten::empty_strided", "aten::empty_like", "aten::resize_")
+from core.step_stats import AllocatorSample, NodeExecStats, StepStats, TensorAllocation
+from core.tracing.torch_dataflow import EventTree, allocating_op
 
 
 def device_name(device: Any) -> str:
@@ -27,56 +24,24 @@ def device_name(device: Any) -> str:
     return f"/device:{kind.upper()}:{index or 0}"
 
 
-def add_allocations(results: Any, stats: StepStats, nodes_by_id: dict[int, NodeExecStats]) -> None:
-    """Fill `stats.allocations` and `stats.memory_samples` from the profiler results of the step."""
-    from torch._C._profiler import _EventType
-
-    allocation, torch_op = _EventType.Allocation, _EventType.TorchOp
-    reads: dict[int, list[tuple[int, str, tuple]]] = {}  # allocation id -> (start, dtype, sizes) of reads
+def add_allocations(tree: EventTree, stats: StepStats, nodes_by_id: dict[int, NodeExecStats]) -> None:
+    """Fill `stats.allocations` and `stats.memory_samples` from the profiler's event tree of the step."""
+    whole = tree.whole_views({e.typed[1].allocation_id: e.typed[1].alloc_size for e in tree.allocations
+                              if e.typed[1].alloc_size > 0})
     open_allocations: dict[int, TensorAllocation] = {}
-    stack = list(results.experimental_event_tree())
-    events = []
-    while stack:
-        event = stack.pop()
-        kind, fields = event.typed
-        if kind == allocation:
-            events.append(event)
-        elif kind == torch_op:
-            for tensor in fields.inputs:
-                allocation_id = getattr(tensor, "allocation_id", None)
-                if allocation_id is not None and hasattr(tensor, "sizes"):
-                    dtype = str(tensor.dtype).removeprefix("torch.")
-                    reads.setdefault(allocation_id, []).append((event.start_time_ns, dtype, tuple(tensor.sizes)))
-        stack.extend(event.children)
-    events.sort(key=lambda e: e.start_time_ns)
-    for event in events:
+    for event in tree.allocations:
         fields = event.typed[1]
         device = device_name(fields.device)
         stats.memory_samples.append(
             AllocatorSample(device, event.start_time_ns, fields.total_allocated, fields.total_reserved))
         if fields.alloc_size > 0:
+            op = allocating_op(event)
             record = TensorAllocation(fields.allocation_id, device, fields.alloc_size, event.start_time_ns,
-                                      producer=_producer(event, nodes_by_id))
-            record.tensor = _whole_view(reads.get(fields.allocation_id, []), fields.alloc_size)
+                                      producer=None if op is None else nodes_by_id.get(op.correlation_id))
+            record.tensor = whole.get(fields.allocation_id)
             stats.allocations.append(record)
             open_allocations[fields.allocation_id] = record
         else:
             record = open_allocations.pop(fields.allocation_id, None)
             if record is not None:
                 record.free_ns = event.start_time_ns
-
-
-def _whole_view(reads: list[tuple[int, str, tuple]], nbytes: int) -> TensorDescription | None:
-    """The earliest recorded read of the allocation whose view spans all of its bytes."""
-    for _, dtype, shape in sorted(reads):
-        itemsize = DTYPE_ITEMSIZE.get(dtype)
-        if itemsize is not None and itemsize * prod(shape) == nbytes:
-            return TensorDescription(dtype, shape, nbytes)
-    return None
-
-
-def _producer(event: Any, nodes_by_id: dict[int, NodeExecStats]) -> NodeExecStats | None:
-    parent = event.parent
-    while parent is not None and parent.name.startswith(_ALLOCATING_PLUMBING) and parent.parent is not None:
-        parent = parent.parent
-    return None if parent is None else nodes_by_id.get(parent.correlation_id)

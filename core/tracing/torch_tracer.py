@@ -9,11 +9,9 @@ under the module whose forward made it. Imported lazily: `core` never imports to
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import weakref
-from typing import Any, Iterator
+from typing import Any
 
 from core.session_run_hook import RunOptions, TraceLevel
 from core.step_stats import NodeExecStats, StepStats
@@ -21,7 +19,7 @@ from core.dataflow import find_edges
 from core.gc_pause import paused_gc
 from core.naming import root_label
 from core.tracing.base import HOST_DEVICE, Tracer, TracerUnavailable
-from core.tracing.execution_trace import ExecutionTrace
+from core.tracing.torch_dataflow import EventTree, step_dataflow
 from core.tracing.torch_memory import add_allocations
 
 # Kineto prints "profiler_start"/"profiler_stop" lines on every start unless its log level is above USDT (5).
@@ -115,7 +113,6 @@ class TorchTracer(Tracer):
         self._root = root
         self._prof: Any = None
         self._scopes: _ModuleScopes | None = None
-        self._execution_trace: ExecutionTrace | None = None
         self._options = RunOptions()
 
     def start(self, options: RunOptions) -> None:
@@ -132,17 +129,15 @@ class TorchTracer(Tracer):
         full = options.trace_level >= TraceLevel.FULL_TRACE
         prof = autograd_profiler.profile(
             use_device="cuda" if use_cuda else None,
-            record_shapes=full,
+            record_shapes=full or options.record_dataflow,
             with_flops=full,
-            profile_memory=options.record_memory,
+            # dataflow links tensors by the allocation they live in: see core.tracing.torch_dataflow
+            profile_memory=options.record_memory or options.record_dataflow,
             with_stack=options.with_stack,
             use_kineto=True,
         )
         scopes = _ModuleScopes(self._root)
         try:
-            if options.record_dataflow:
-                self._execution_trace = ExecutionTrace()
-                self._execution_trace.start()
             prof.__enter__()
             self._prof = prof
             scopes.install()
@@ -157,94 +152,62 @@ class TorchTracer(Tracer):
         scopes, self._scopes = self._scopes, None
         if scopes is not None:
             scopes.remove()
-        try:
-            if prof is None:
-                return None
-            prof.__exit__(None, None, None)
-            return prof.kineto_results
-        finally:
-            if self._execution_trace is not None:
-                self._execution_trace.stop()
-
-    @contextlib.contextmanager
-    def _ending(self) -> Iterator[ExecutionTrace | None]:
-        """Stop recording; the execution-trace temp file goes afterwards whatever happened meanwhile."""
-        execution_trace = self._execution_trace
-        try:
-            yield execution_trace
-        finally:
-            self._execution_trace = None
-            if execution_trace is not None:
-                execution_trace.discard()
+        if prof is None:
+            return None
+        prof.__exit__(None, None, None)
+        return prof.kineto_results
 
     def abort(self) -> None:
-        with self._ending():
-            self._close()
+        self._close()
 
     def stop(self) -> StepStats:
         return self.stop_recording()()
 
     def stop_recording(self) -> _Recording:
         """Stop torch's profiler now; the conversion of its events (the costly part) is left to the caller."""
-        execution_trace = self._execution_trace
-        try:
-            results = self._close()
-        except BaseException:
-            with self._ending():
-                raise
-        self._execution_trace = None
-        return _Recording(results, execution_trace, self._options)
+        return _Recording(self._close(), self._options)
 
 
 class _Recording:
-    """A stopped step's kineto results (and execution-trace file), converted to `StepStats` when called.
+    """A stopped step's kineto results, converted to `StepStats` when called. Safe to call on another
+    thread: the results no longer change once the profiler stopped."""
 
-    Safe to call on another thread: the results no longer change once the profiler stopped. The
-    execution-trace temp file goes when the conversion reads it, or when the recording is dropped unread.
-    """
-
-    def __init__(self, results: Any, execution_trace: ExecutionTrace | None, options: RunOptions) -> None:
+    def __init__(self, results: Any, options: RunOptions) -> None:
         self._results = results
-        self._execution_trace = execution_trace
         self._options = options
-        self._discard = weakref.finalize(self, execution_trace.discard) if execution_trace is not None else None
 
     def __call__(self) -> StepStats:
         results, self._results = self._results, None
-        execution_trace, self._execution_trace = self._execution_trace, None
         stats = StepStats(metadata={"torch_version": torch.__version__})
-        try:
-            if results is not None:
-                with paused_gc():
-                    self._collect(results, stats, execution_trace)
-        finally:
-            if self._discard is not None:
-                self._discard()
+        if results is not None:
+            with paused_gc():
+                self._collect(results, stats)
         return stats
 
-    def _collect(self, results: Any, stats: StepStats, execution_trace: ExecutionTrace | None) -> None:
+    def _collect(self, results: Any, stats: StepStats) -> None:
+        options = self._options
         stats.metadata["trace_start_ns"] = results.trace_start_ns()
-        want_ids = execution_trace is not None or self._options.record_memory
-        by_external_id, in_order = _convert(results.events(), stats, want_ids, self._options.with_stack)
-        if execution_trace is not None:
-            stats.edges = find_edges(execution_trace.read(in_order, _TORCH_DTYPES))
-        if self._options.record_memory:
-            add_allocations(results, stats, by_external_id)
+        want_ids = options.record_dataflow or options.record_memory
+        by_external_id = _convert(results.events(), stats, want_ids, options.with_stack)
+        if want_ids:
+            tree = EventTree(results)
+            if options.record_dataflow:
+                stats.edges = find_edges(step_dataflow(tree, by_external_id))
+            if options.record_memory:
+                add_allocations(tree, stats, by_external_id)
 
 
 def _convert(events: list, stats: StepStats, want_ids: bool = False, with_stack: bool = False
-             ) -> tuple[dict[int, NodeExecStats], dict[tuple[int, str], list[NodeExecStats]]]:
+             ) -> dict[int, NodeExecStats]:
     """Turn kineto events into NodeExecStats: scopes from module spans, phases from autograd and optimizer.
 
     Each pybind accessor costs about a microsecond and `shapes()` + `dtypes()` about eight, so every field
     is read once, and only for the events that need it. With `with_stack`, each op gets its Python call
     stack (`args["stack"]`, outermost frame first) from the Python-function spans enclosing it on its
-    thread. With `want_ids`, returns the op nodes by their
-    profiler id (the allocations' link to them) and per (thread, op name) in start order (the execution
-    trace's link to them).
+    thread. With `want_ids`, returns the op nodes by their profiler id (the event tree's link to them: its
+    ops' `correlation_id`).
     """
     by_external_id: dict[int, NodeExecStats] = {}
-    in_order: dict[tuple[int, str], list[NodeExecStats]] = {}
     host = stats.device(HOST_DEVICE)
     rows = []
     backward_end = 0  # the end of the step's last backward op: what starts after it is the optimizer's
@@ -344,8 +307,7 @@ def _convert(events: list, stats: StepStats, want_ids: bool = False, with_stack:
         nodes.append(node)
         if want_ids and activity == "cpu_op":
             by_external_id[ev.external_id()] = node
-            in_order.setdefault((tid, name), []).append(node)
-    return by_external_id, in_order
+    return by_external_id
 
 
 def _add_kernel(ev: Any, activity: str, stats: StepStats) -> None:
