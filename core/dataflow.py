@@ -1,9 +1,9 @@
 """Tensor dataflow of a step: which op produced each datum another op read, found by tensor identity.
 
-A tracer gives, per op execution, the data it read and wrote as keys (for torch: the storage range
-`(storage, offset, numel, itemsize, device)`; keys of that shape are ranges of one storage, any other key is
-opaque) and which outputs are views of an input. `find_edges` sweeps the
-ops' starts and ends in time order:
+A tracer gives, per op execution, the data it read and wrote as keys and which outputs are views of an
+input. A key `(storage, offset, numel, itemsize, ...)` is a byte range of one storage; any other key is
+opaque (torch's tracer uses the allocation a tensor lives in: see `core.tracing.torch_dataflow`).
+`find_edges` sweeps the ops' starts and ends in time order:
 - at an op's start it consumes each input from the op that last produced that datum, unless an enclosing op
   already consumed the same datum from the same producer (so `linear` reads `x`, not also its inner `addmm`);
 - at an op's end it becomes the producer of its outputs, unless an op it encloses freshly created them

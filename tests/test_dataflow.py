@@ -138,3 +138,47 @@ def test_views_in_place_writes_and_tensor_lists_on_a_real_trace():
     assert ("aten::add_", "aten::cat") in edges and ("aten::mm", "aten::cat") not in edges
     mm = next(n for d in stats.dev_stats for n in d.node_stats if n.op == "aten::mm")
     assert [(t.dtype, t.shape) for t in mm.outputs] == [("float32", (4, 4))]
+
+
+def trace_edges(body, with_stack=False):
+    from core import RunOptions, TraceLevel
+    from core.tracing.torch_tracer import TorchTracer
+
+    tracer = TorchTracer()
+    tracer.start(RunOptions(trace_level=TraceLevel.FULL_TRACE, record_dataflow=True, with_stack=with_stack))
+    body()
+    stats = tracer.stop()
+    return stats, {(e.producer.op, e.consumer.op) for e in stats.edges}
+
+
+def test_schema_writes_lists_and_out_arguments_become_producers():
+    # what optimizers and gradient clipping run: every tensor of a foreach list is written, so is an out=
+    import torch
+
+    x, y, z = torch.randn(8), torch.randn(8), torch.randn(4, 4)
+    out = torch.empty(4, 4)
+
+    def body():
+        torch._foreach_add_([x, y], 1.0)
+        y.sum()                              # reads the version the foreach op wrote
+        torch.mm(z, z, out=out)
+        out.relu()                           # reads what mm wrote into `out`
+        z.unsqueeze_(0).sum()                # a metadata-only in-place op writes no data
+
+    _, edges = trace_edges(body)
+    assert ("aten::_foreach_add_", "aten::sum") in edges  # y, its list's second tensor
+    assert ("aten::mm", "aten::relu") in edges and ("aten::empty", "aten::relu") not in edges
+    assert ("aten::unsqueeze_", "aten::sum") not in edges
+
+
+def test_python_stacks_do_not_hide_the_producer():
+    import torch
+
+    def body():  # an allocating op called from Python: a Python-frame event, not an op, is its parent
+        a = torch.empty(3, 3)
+        a.mul(2).sum()
+
+    stats, edges = trace_edges(body, with_stack=True)
+    assert ("aten::empty", "aten::mul") in edges
+    empty = next(n for d in stats.dev_stats for n in d.node_stats if n.op == "aten::empty")
+    assert [t.shape for t in empty.outputs] == [(3, 3)]

@@ -2,9 +2,8 @@
 
 The profiler's event tree holds each allocation and free with its pointer, size, the allocator's running
 totals, an `allocation_id` shared by the allocation and its free, and its parent op (whose `correlation_id`
-is the op event's record-function id). The tensor an allocation held is named by the first op that read a
-tensor with that `allocation_id` through a view covering the whole allocation (an expanded or sliced view
-has other sizes): identity first, then a consistency check of the size.
+is the op event's record-function id). What an allocation held is the first read of a tensor with that
+`allocation_id` through a view covering all of it (`EventTree.held`): identity first, then size.
 """
 
 from __future__ import annotations
@@ -26,8 +25,7 @@ def device_name(device: Any) -> str:
 
 def add_allocations(tree: EventTree, stats: StepStats, nodes_by_id: dict[int, NodeExecStats]) -> None:
     """Fill `stats.allocations` and `stats.memory_samples` from the profiler's event tree of the step."""
-    whole = tree.whole_views({e.typed[1].allocation_id: e.typed[1].alloc_size for e in tree.allocations
-                              if e.typed[1].alloc_size > 0})
+    held = tree.held
     open_allocations: dict[int, TensorAllocation] = {}
     for event in tree.allocations:
         fields = event.typed[1]
@@ -38,7 +36,7 @@ def add_allocations(tree: EventTree, stats: StepStats, nodes_by_id: dict[int, No
             op = allocating_op(event)
             record = TensorAllocation(fields.allocation_id, device, fields.alloc_size, event.start_time_ns,
                                       producer=None if op is None else nodes_by_id.get(op.correlation_id))
-            record.tensor = whole.get(fields.allocation_id)
+            record.tensor = held.get(fields.allocation_id)
             stats.allocations.append(record)
             open_allocations[fields.allocation_id] = record
         else:
