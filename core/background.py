@@ -1,7 +1,7 @@
 """Work taken off the training thread: a traced step's conversion, timeline file and TensorBoard record.
 
 After a traced step, torch's profiler has stopped but turning its events into `StepStats` and writing them
-costs as much again (tens of microseconds per thousand events, all Python). `BACKGROUND` runs those jobs on
+costs as much again (several microseconds per event, all Python). `BACKGROUND` runs those jobs on
 one worker thread, in the order they came, while training goes on in torch's kernels (which release the GIL).
 
 Where the order matters, callers wait for the worker to go idle:

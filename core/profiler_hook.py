@@ -145,7 +145,7 @@ class ProfilerHook(PeriodicHook):
     @property
     def saved_paths(self) -> list[str]:
         """The timelines written so far (waits for one still being written)."""
-        BACKGROUND.wait()
+        self.flush()
         return self._saved_paths
 
     def flush(self) -> None:

@@ -48,6 +48,10 @@ class LightningSession(Session):
         self._step = self.trainer.global_step
         return self._step
 
+    def unpin_step(self) -> None:
+        """Outside a fit's batches the global step is read live again (and the next batch reads it afresh)."""
+        self._step = None
+
     def batch_start_step(self) -> int:
         """The global step as a batch starts: the value read at the previous batch's end (nothing between a
         batch's end and the next one's start steps an optimizer, validation included), else a fresh read."""
@@ -127,7 +131,7 @@ class HookCallback(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._open_at = None
         self._batch_running = False
-        self._session._step = None  # read afresh at the first batch
+        self._session.unpin_step()
         self._driver.after_create_session(self._session)
 
     @override
@@ -195,7 +199,7 @@ class HookCallback(Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._batch_running or self._open_at is not None:
             self._abort()
-        self._session._step = None  # live again
+        self._session.unpin_step()
         self._driver.end(self._session)
 
     @override

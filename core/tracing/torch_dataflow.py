@@ -21,9 +21,13 @@ arguments as JSON while the step ran: it made each op of the traced step 5-7x sl
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from math import prod
 from typing import Any
+
+import torch
+from torch._C._profiler import _EventType
 
 from core.dataflow import OpData
 from core.step_stats import DTYPE_ITEMSIZE, NodeExecStats, TensorDescription
@@ -31,43 +35,66 @@ from core.step_stats import DTYPE_ITEMSIZE, NodeExecStats, TensorDescription
 Read = tuple[int, int, TensorDescription]  # (argument position, allocation id, the tensor as read)
 
 
+@dataclasses.dataclass(slots=True)
+class Block:
+    """One allocation of the step: its bytes, when it was made and freed (None: it outlived the trace),
+    and the op event it was made in (None when no op encloses it)."""
+
+    nbytes: int
+    start_ns: int
+    op: Any
+    free_ns: int | None = None
+
+    def outlives(self, node: NodeExecStats) -> bool:
+        """Whether the data is still there when `node` ends (not a temporary of it)."""
+        return self.free_ns is None or self.free_ns > node.start_ns + node.duration_ns
+
+
 class EventTree:
     """One pass over the profiler's event tree: its ops in start order, each with its argument count and
-    the tensors it read, and its allocation and free events in time order."""
+    the tensors it read; its allocation and free events in time order, as (time, fields); and each
+    allocation as a `Block`, by allocation id."""
 
     def __init__(self, results: Any) -> None:
-        from torch._C._profiler import _EventType
-
         allocation, torch_op = _EventType.Allocation, _EventType.TorchOp
         self.ops: list[tuple[Any, int, list[Read]]] = []
-        self.allocations: list[Any] = []
+        events: list[tuple[int, Any, Any]] = []
         stack = list(results.experimental_event_tree())
         while stack:
             event = stack.pop()
             kind, fields = event.typed
             if kind == allocation:
-                self.allocations.append(event)
+                events.append((event.start_time_ns, fields, event))
             elif kind == torch_op:
                 self.ops.append((event, len(fields.inputs), _reads(fields)))
             stack.extend(event.children)
-        self.allocations.sort(key=lambda e: e.start_time_ns)
+        events.sort(key=lambda e: e[0])
         self.ops.sort(key=lambda op: op[0].start_time_ns)
+        self.allocations = [(start, fields) for start, fields, _ in events]
+        self.blocks: dict[int, Block] = {}
+        for start, fields, event in events:
+            if fields.alloc_size > 0:
+                self.blocks[fields.allocation_id] = Block(fields.alloc_size, start, allocating_op(event))
+            else:
+                block = self.blocks.get(fields.allocation_id)
+                if block is not None:
+                    block.free_ns = start
 
     @functools.cached_property
     def held(self) -> dict[int, TensorDescription]:
         """What each allocation held: its earliest read through a view covering all of its bytes, else (the
         CUDA caching allocator rounds block sizes up) its earliest read that fits in it."""
-        sizes = {e.typed[1].allocation_id: e.typed[1].alloc_size for e in self.allocations if e.typed[1].alloc_size > 0}
+        blocks = self.blocks
         exact: dict[int, TensorDescription] = {}
         fits: dict[int, TensorDescription] = {}
         for _, _, reads in self.ops:
             for _, allocation_id, tensor in reads:
-                size, nbytes = sizes.get(allocation_id), tensor.nbytes
-                if size is None or nbytes is None or allocation_id in exact:
+                block, nbytes = blocks.get(allocation_id), tensor.nbytes
+                if block is None or nbytes is None or allocation_id in exact:
                     continue
-                if nbytes == size:
+                if nbytes == block.nbytes:
                     exact[allocation_id] = tensor
-                elif nbytes < size:
+                elif nbytes < block.nbytes:
                     fits.setdefault(allocation_id, tensor)
         return {**fits, **exact}
 
@@ -97,8 +124,6 @@ _METADATA_ONLY = frozenset({"unsqueeze_", "squeeze_", "t_", "transpose_", "swapd
 def allocating_op(event: Any) -> Any:
     """The op an allocation event belongs to: its parent op, or the op around allocation plumbing (never a
     Python-frame event above it: those record no op)."""
-    from torch._C._profiler import _EventType
-
     parent = event.parent
     while (parent is not None and parent.name.startswith(ALLOCATING_PLUMBING) and parent.parent is not None
            and parent.parent.typed[0] == _EventType.TorchOp):
@@ -116,8 +141,6 @@ def written_arguments(name: str, arity: int) -> frozenset[int]:
     written: set[int] = set()
     matched = False
     if "::" in name:
-        import torch
-
         try:
             schemas = torch._C._jit_get_schemas_for_operator(name)
         except RuntimeError:
@@ -140,29 +163,19 @@ def step_dataflow(tree: EventTree, nodes_by_id: dict[int, NodeExecStats]) -> lis
     of its dataflow slots), and, for an op around the one that made the data (`linear` around `addmm`),
     that data too when it outlives the enclosing op."""
     held = tree.held
-    freed: dict[int, int] = {}
-    for event in tree.allocations:
-        fields = event.typed[1]
-        if fields.alloc_size < 0:
-            freed[fields.allocation_id] = event.start_time_ns
     made: dict[int, list[tuple[int, TensorDescription]]] = {}  # id(node) -> the data it made, in order
     around: dict[int, list[TensorDescription]] = {}  # id(node) -> data an op inside it made
-    for event in tree.allocations:
-        fields = event.typed[1]
-        tensor = held.get(fields.allocation_id)
-        if fields.alloc_size <= 0 or tensor is None:  # a free, or data no op read: no edge can start there
-            continue
-        op = allocating_op(event)
-        node = None if op is None else nodes_by_id.get(op.correlation_id)
-        free = freed.get(fields.allocation_id)
-        if node is None or (free is not None and free <= node.start_ns + node.duration_ns):
-            continue  # a temporary, freed before its op ended
-        made.setdefault(id(node), []).append((fields.allocation_id, tensor))
-        outer = op.parent
+    for allocation_id, block in tree.blocks.items():
+        tensor = held.get(allocation_id)
+        node = None if block.op is None else nodes_by_id.get(block.op.correlation_id)
+        if tensor is None or node is None or not block.outlives(node):
+            continue  # data no op read (no edge can start there), or a temporary of its op
+        made.setdefault(id(node), []).append((allocation_id, tensor))
+        outer = block.op.parent
         while outer is not None:
             outer_node = nodes_by_id.get(outer.correlation_id)
             if outer_node is not None:
-                if free is not None and free <= outer_node.start_ns + outer_node.duration_ns:
+                if not block.outlives(outer_node):
                     break
                 around.setdefault(id(outer_node), []).append(tensor)
             outer = outer.parent

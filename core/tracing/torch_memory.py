@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from core.step_stats import AllocatorSample, NodeExecStats, StepStats, TensorAllocation
-from core.tracing.torch_dataflow import EventTree, allocating_op
+from core.tracing.torch_dataflow import EventTree
 
 
 def device_name(device: Any) -> str:
@@ -26,20 +26,13 @@ def device_name(device: Any) -> str:
 def add_allocations(tree: EventTree, stats: StepStats, nodes_by_id: dict[int, NodeExecStats]) -> None:
     """Fill `stats.allocations` and `stats.memory_samples` from the profiler's event tree of the step."""
     held = tree.held
-    open_allocations: dict[int, TensorAllocation] = {}
-    for event in tree.allocations:
-        fields = event.typed[1]
+    for start, fields in tree.allocations:
         device = device_name(fields.device)
-        stats.memory_samples.append(
-            AllocatorSample(device, event.start_time_ns, fields.total_allocated, fields.total_reserved))
+        stats.memory_samples.append(AllocatorSample(device, start, fields.total_allocated, fields.total_reserved))
         if fields.alloc_size > 0:
-            op = allocating_op(event)
-            record = TensorAllocation(fields.allocation_id, device, fields.alloc_size, event.start_time_ns,
-                                      producer=None if op is None else nodes_by_id.get(op.correlation_id))
+            block = tree.blocks[fields.allocation_id]
+            record = TensorAllocation(fields.allocation_id, device, block.nbytes, start,
+                                      producer=None if block.op is None else nodes_by_id.get(block.op.correlation_id))
             record.tensor = held.get(fields.allocation_id)
+            record.free_ns = block.free_ns
             stats.allocations.append(record)
-            open_allocations[fields.allocation_id] = record
-        else:
-            record = open_allocations.pop(fields.allocation_id, None)
-            if record is not None:
-                record.free_ns = event.start_time_ns
