@@ -298,8 +298,9 @@ class HookedSession:
         self._context = None
         if context is _QUIET:  # no hook has anything to do; the step still ends (data-wait clock, last_step)
             self._traces.finish(self._key)
-            if isinstance(self._session, Session):
-                self._session.last_step = make_state
+            session = self._session
+            if isinstance(session, Session):
+                session._last_step = make_state  # (the property's setter, without its call: every idle step)
             return False
         if _current_feeds:
             _current_feeds = {}

@@ -123,7 +123,9 @@ class ProfilerHook(PeriodicHook):
         return SessionRunArgs(options=self._options) if self._request else None
 
     def quiet_on(self, global_step: int) -> bool:
-        return self._timer.last_triggered_step() is not None and not self._traces_step(global_step)
+        timer = self._timer  # (_traces_step spelled out: this runs on every step the hook does not trace)
+        return timer.last_triggered_step() is not None and not (
+            self._writes_here and timer.should_trigger_for_step(global_step + 1))
 
     def after_run(self, run_context, run_values) -> None:
         timer = self._timer

@@ -124,7 +124,7 @@ class HookCallback(keras.callbacks.Callback):
 
     def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
         session = self._session
-        key = (id(self.model), session.global_step, batch)
+        key = (id(session.model), session.global_step, batch)  # (Keras' `self.model` is a property)
         self._driver.before_run(session, key, lambda: SessionRunArgs(feed_dict={"batch_idx": batch}))
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:

@@ -29,6 +29,56 @@ def test_gradient_accumulation_counts_optimizer_steps(tmp_dir):
     assert len(forward) == 4 * 2
 
 
+class ManualOptimization(TinyModel):
+    """Manual optimization that steps its optimizer every second batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        loss = torch.nn.functional.mse_loss(self(batch[0]), batch[1])
+        self.manual_backward(loss)
+        if batch_idx % 2 == 1:
+            opt.step()
+            opt.zero_grad()
+        return loss
+
+
+class GlobalSteps(L.Callback):
+    def __init__(self):
+        self.steps = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.steps.append(trainer.global_step)
+
+
+def test_manual_optimization_counts_its_optimizer_steps(tmp_dir):
+    rec, seen = RecordingHook(), GlobalSteps()
+    hook = ProfilerHook(save_steps=2, output_dir=tmp_dir, tensorboard=False)
+    t = trainer(tmp_dir, [hook, HookCallback([rec]), seen], 4)
+    t.fit(ManualOptimization(), loader())
+    assert seen.steps == [0, 1, 1, 2, 2, 3, 3, 4]  # two batches per optimizer step
+    assert [c[1] for c in rec.calls if c[0] == "before_run"] == [0, 1, 2, 3]
+    assert [c[1] for c in rec.calls if c[0] == "after_run"] == [1, 2, 3, 4]
+    assert timeline_steps(tmp_dir) == [2, 4]
+
+
+def test_the_step_counter_found_is_lightnings_global_step(tmp_dir):
+    """The callbacks read the global step from the counter behind `trainer.global_step` (a plain attribute
+    instead of five properties); with automatic and with manual optimization it is that very number."""
+    from lightning_prof.hook_callback import optimizer_step_counter
+
+    for model, steps in ((TinyModel(), 5), (ManualOptimization(), 3)):
+        t = trainer(tmp_dir, [], steps)
+        t.fit(model, loader())
+        counter = optimizer_step_counter(t, model)
+        assert counter is not None and counter.completed == t.global_step == steps
+        counter.completed += 1  # the same record, not a copy
+        assert t.global_step == steps + 1
+
+
 class SkipsBatches(TinyModel):
     def on_train_batch_start(self, batch, batch_idx):
         return -1 if batch_idx == 2 else None  # Lightning skips the rest of the epoch
