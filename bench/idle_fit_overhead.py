@@ -7,7 +7,9 @@ the machine's drift; medians of 9 each.
 On 2 shared cores the machine's drift between fits can exceed a 1% effect, so a fourth kind of fit measures
 the hooks from inside: the same fit with the hooks, their per-step callback methods (and, under Keras, the
 train-function wrapper's own work) timed by `perf_counter`, as a share of that very fit's time. The share
-is an upper bound (it includes the timer's own calls) that the drift between fits cannot move.
+is an upper bound (it includes the timer's own calls) that the drift between fits cannot move; a fifth kind
+times two empty callbacks the same way, which is the timer's own cost (under Keras without the wrapper's
+two timers, which only hookprof's fit has).
 """
 
 import gc
@@ -125,7 +127,8 @@ def keras_fit(kind: str, out: str, watch: Stopwatch | None = None) -> float:
     if watch is not None:
         for callback in callbacks:
             watch.wrap(callback, PER_STEP["keras"])
-        callbacks = [*callbacks, _TimeTrainFunctionWrapper(watch)]
+        if kind == "hooks":
+            callbacks = [*callbacks, _TimeTrainFunctionWrapper(watch)]
     start = time.perf_counter()
     model.fit(x, y, batch_size=4, epochs=1, callbacks=callbacks, verbose=0)
     return time.perf_counter() - start
@@ -137,28 +140,32 @@ def main():
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     out = tempfile.mkdtemp()
     print(f"| fit ({STEPS} steps) | no callbacks | 2 empty callbacks | 2 idle hooks | hooks vs none | "
-          f"hooks vs empty callbacks, per step | inside the hooks, per step | inside the hooks, share of the fit |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+          f"hooks vs empty callbacks, per step | inside the hooks, per step | the timer alone (2 empty callbacks "
+          f"timed), per step | inside the hooks, share of the fit |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for label, fit in (("Lightning", lightning_fit), ("Keras (torch)", keras_fit)):
         for kind in ("none", "empty", "hooks"):
             fit(kind, out)  # warm up
-        times = {"none": [], "empty": [], "hooks": [], "timed": []}
-        inside = []
+        timed = ("timed hooks", "timed empty")
+        times: dict[str, list[float]] = {"none": [], "empty": [], "hooks": [], **{k: [] for k in timed}}
+        inside: dict[str, list[float]] = {k: [] for k in timed}
         kinds = list(times)
         for round_ in range(9):  # the order rotates, and each fit starts after a full collection
-            for kind in kinds[round_ % 4:] + kinds[: round_ % 4]:
+            for kind in kinds[round_ % 5:] + kinds[: round_ % 5]:
                 gc.collect()
-                if kind == "timed":
+                if kind in timed:
                     watch = Stopwatch()
-                    times[kind].append(fit("hooks", out, watch))
-                    inside.append(watch.seconds)
+                    times[kind].append(fit(kind.removeprefix("timed "), out, watch))
+                    inside[kind].append(watch.seconds)
                 else:
                     times[kind].append(fit(kind, out))
         n, e, h = (statistics.median(times[k]) for k in ("none", "empty", "hooks"))
-        share = statistics.median(i / t for i, t in zip(inside, times["timed"]))
+        share = statistics.median(i / t for i, t in zip(inside["timed hooks"], times["timed hooks"]))
+        per_step = {k: statistics.median(v) / STEPS * 1e6 for k, v in inside.items()}
         print(f"| {label} | {n:.3f} s | {e:.3f} s | {h:.3f} s | {100 * (h - n) / n:+.1f}% | "
-              f"{(h - e) / STEPS * 1e6:+.1f} us ({100 * (h - e) / e:+.1f}%) | "
-              f"{statistics.median(inside) / STEPS * 1e6:.1f} us | {100 * share:.2f}% |", flush=True)
+              f"{(h - e) / STEPS * 1e6:+.1f} us ({100 * (h - e) / e:+.1f}%) | {per_step['timed hooks']:.1f} us | "
+              f"{per_step['timed empty']:.1f} us | {100 * share:.2f}% |", flush=True)
+
 
 if __name__ == "__main__":
     main()
