@@ -18,7 +18,9 @@ class ProfilerHook(HookCallback):
     `tensorboard --logdir logs` shows the step graphs beside the summaries. On the torch backend the timeline
     holds every op of the step; on other backends only the step's phases. `compress=True` writes `.json.gz`;
     `max_events` caps a timeline's size; `tensorboard=True` also writes each traced step's graph and
-    `step_<N>` run metadata for TensorBoard.
+    `step_<N>` run metadata for TensorBoard. `triggers` (`hookprof.triggers`), `capture_steps` and
+    `cooldown_steps` trace the steps after one that went wrong (a slow step, a NaN loss, a loss spike, a memory
+    jump); `keep_last` keeps only the newest timelines of the run.
 
     Example::
 
@@ -37,13 +39,19 @@ class ProfilerHook(HookCallback):
         tensorboard: bool = True,
         profiler: Any = None,
         with_stack: bool = False,
+        triggers: list[Any] | None = None,
+        capture_steps: int = 1,
+        cooldown_steps: int = 100,
+        keep_last: int | None = None,
     ) -> None:
         self.hook = CoreProfilerHook(save_steps, save_secs, output_dir, show_dataflow, show_memory,
                                      compress=compress, max_events=max_events, tensorboard=tensorboard,
-                                     profiler=profiler, with_stack=with_stack)
+                                     profiler=profiler, with_stack=with_stack, triggers=triggers,
+                                     capture_steps=capture_steps, cooldown_steps=cooldown_steps,
+                                     keep_last=keep_last)
         super().__init__([self.hook])
 
     @property
     def saved_paths(self) -> list[str]:
-        """The timelines written so far, in order."""
+        """The timelines written so far and still kept (`keep_last`), in order."""
         return self.hook.saved_paths

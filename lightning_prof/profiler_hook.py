@@ -30,6 +30,13 @@ class ProfilerHook(HookCallback):
             dashboard into `output_dir` (by default the logger's run directory, beside the scalars).
         profiler: a `hookprof.profiler.Profiler` that every traced step is added to.
         with_stack: record Python stacks (the Profiler's code view needs them).
+        triggers: `hookprof.triggers` judged on every step (`SlowStep()`, `NonFinite("loss")`, `LossSpike()`,
+            `MemoryJump(bytes)`): when one fires, the next `capture_steps` steps are traced, their metadata
+            say why, and they hold the phases of the firing step and the steps before it. With triggers,
+            `save_steps` and `save_secs` may both be None.
+        capture_steps: steps traced after a trigger fires.
+        cooldown_steps: steps after a fire during which no trigger fires again.
+        keep_last: keep only this run's newest `keep_last` timelines (None: all).
 
     Example::
 
@@ -50,12 +57,18 @@ class ProfilerHook(HookCallback):
         tensorboard: bool = True,
         profiler: Any = None,
         with_stack: bool = False,
+        triggers: list[Any] | None = None,
+        capture_steps: int = 1,
+        cooldown_steps: int = 100,
+        keep_last: int | None = None,
     ) -> None:
         self.hook = CoreProfilerHook(save_steps, save_secs, output_dir, show_dataflow, show_memory, ranks,
-                                     compress, max_events, tensorboard, profiler, with_stack)
+                                     compress, max_events, tensorboard, profiler, with_stack, triggers=triggers,
+                                     capture_steps=capture_steps, cooldown_steps=cooldown_steps,
+                                     keep_last=keep_last)
         super().__init__([self.hook])
 
     @property
     def saved_paths(self) -> list[str]:
-        """The timelines written so far, in order."""
+        """The timelines written so far and still kept (`keep_last`), in order."""
         return self.hook.saved_paths

@@ -149,7 +149,7 @@ def test_fails_if_tensor_is_nan(caplog):
 
 def test_nan_check_of_a_value_that_is_no_number_says_so():
     assert not is_nan(torch.tensor([1, 2]))  # integer tensors are never NaN
-    with pytest.raises(TypeError, match="the loss is a dict"):
+    with pytest.raises(TypeError, match="the loss_tensor value is a dict"):
         is_nan({"a": 1})
 
 

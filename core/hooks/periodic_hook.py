@@ -11,7 +11,7 @@ from typing import Any
 from hookprof._runtime import arguments
 from hookprof._runtime.warn_once import WarnOnce
 from hookprof.hooks.session_run_hook import SessionRunHook
-from hookprof.hooks.timer import SecondOrStepTimer
+from hookprof.hooks.timer import NeverTriggerTimer, SecondOrStepTimer
 
 
 class PeriodicHook(SessionRunHook):
@@ -24,12 +24,15 @@ class PeriodicHook(SessionRunHook):
     """
 
     def __init__(self, save_steps: int | None, save_secs: float | None, output_dir: Any,
-                 clock: Callable[[], float] | None = None):
+                 clock: Callable[[], float] | None = None, schedule_optional: bool = False):
         owner = type(self).__name__
-        arguments.check_schedule(owner, save_steps, save_secs)
+        unscheduled = schedule_optional and save_steps is None and save_secs is None
+        if not unscheduled:
+            arguments.check_schedule(owner, save_steps, save_secs)
         self.save_steps = save_steps
         self.save_secs = save_secs
-        self._timer = SecondOrStepTimer(every_secs=save_secs, every_steps=save_steps, clock=clock)
+        self._timer: SecondOrStepTimer | NeverTriggerTimer = NeverTriggerTimer() if unscheduled else \
+            SecondOrStepTimer(every_secs=save_secs, every_steps=save_steps, clock=clock)
         self._restored = False
         self.output_dir = None if output_dir is None else arguments.expand_dir(owner, "output_dir", output_dir)
         self._output_dir_given = output_dir is not None

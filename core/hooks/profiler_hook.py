@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import logging
 import os
 import time
@@ -11,10 +13,15 @@ from typing import Any
 from hookprof._runtime import arguments
 from hookprof._runtime.atomic_file import remove_stale_temps
 from hookprof._runtime.background import BACKGROUND
+from hookprof._runtime.memory import allocated_bytes
 from hookprof.hooks.periodic_hook import PeriodicHook
 from hookprof.hooks.session_run_hook import RunOptions, SessionRunArgs, TraceLevel
+from hookprof.step_stats import DeviceStepStats, NodeExecStats, StepStats
 from hookprof.trace import format as fmt
 from hookprof.trace.writer import ChromeTraceWriter
+from hookprof.tracing import HOST_DEVICE, STEP_TRACES
+from hookprof.tracing.coordinator import StepRecord
+from hookprof.triggers import StepObservation, Trigger, check_triggers, host_scalar
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +62,15 @@ class ProfilerHook(PeriodicHook):
             views and advice over the whole run. Memory is then recorded too.
         with_stack: record each op's Python call stack (the Profiler's code view and the advisor's code lines
             need it; it makes traced steps slower).
+        triggers: `hookprof.triggers` (`SlowStep()`, `NonFinite("loss")`, `LossSpike()`, `MemoryJump(bytes)`)
+            judged on every step: when one fires at step N, steps N+1 .. N+`capture_steps` are traced, the
+            files' metadata say why (`trigger`: kind, step, detail) and hold the phases of step N and the
+            triggers' `window` of steps before it. The schedule still runs; with triggers, `save_steps` and
+            `save_secs` may both be None (trace only what triggers ask for).
+        capture_steps: how many steps to trace after a trigger fires.
+        cooldown_steps: after a trigger fires, none fires again for this many steps.
+        keep_last: keep only the newest `keep_last` timelines this hook wrote in this run and remove older
+            ones (`removed_timelines` counts them; TensorBoard's event files are kept). None keeps all.
         clock: the seconds clock of the schedule (default: `time.time()`, read at each call); for tests.
 
     Example::
@@ -76,10 +92,22 @@ class ProfilerHook(PeriodicHook):
         tensorboard: bool = True,
         profiler: Any = None,
         with_stack: bool = False,
+        triggers: Sequence[Trigger] | None = None,
+        capture_steps: int = 1,
+        cooldown_steps: int = 100,
+        keep_last: int | None = None,
         clock: Callable[[], float] | None = None,
     ) -> None:
         owner = type(self).__name__
-        super().__init__(save_steps, save_secs, output_dir, clock)
+        self.triggers = check_triggers(owner, triggers)
+        if save_steps is None and save_secs is None and not self.triggers:
+            raise ValueError(f"`{owner}(save_steps=None, save_secs=None)`: set `save_steps` or `save_secs` (e.g. "
+                             f"`{owner}(save_steps=100)`), or give `triggers` to trace only the steps after one "
+                             "that fires (e.g. `triggers=[hookprof.triggers.SlowStep()]`).")
+        super().__init__(save_steps, save_secs, output_dir, clock, schedule_optional=bool(self.triggers))
+        self.capture_steps = arguments.check_positive_int(owner, "capture_steps", capture_steps)
+        self.cooldown_steps = arguments.check_int(owner, "cooldown_steps", cooldown_steps, 0)
+        self.keep_last = arguments.check_optional_cap(owner, "keep_last", keep_last)
         self.show_dataflow = arguments.check_bool(owner, "show_dataflow", show_dataflow)
         self.show_memory = arguments.check_bool(owner, "show_memory", show_memory)
         self.ranks = _check_ranks(owner, ranks)
@@ -104,6 +132,20 @@ class ProfilerHook(PeriodicHook):
         self._pending: Any = None  # the background job writing this hook's last traced step
         self._run_start: tuple[int, float] | None = None  # (global step, time) of this run's first step
         self._fired_in_run = 0
+        # triggers: what each fetches of a step, whether one reads memory, the records they keep
+        # (one fetch per name, read on the host once however many triggers read it)
+        self._trigger_keys = [None if t.fetch is None else f"fetch:{t.fetch}" if isinstance(t.fetch, str)
+                              else f"fetch#{i}" for i, t in enumerate(self.triggers)]
+        self._trigger_fetches = {key: t.fetch for key, t in zip(self._trigger_keys, self.triggers) if key}
+        self._trigger_fetches["batch_idx"] = _batch_index
+        self._reads_memory = any(t.reads_memory for t in self.triggers)
+        self._window = max((t.window for t in self.triggers), default=0) + 1  # the firing step and those before
+        self._watching = False
+        self._capture: _Capture | None = None  # the fire being captured, while steps remain
+        self._quiet_until = -1  # no trigger fires at or before this step (the cooldown)
+        self.fired: collections.Counter[str] = collections.Counter()  # trigger fires by kind, over all runs
+        self._kept: collections.deque[str] = collections.deque()  # this run's timelines, oldest first (keep_last)
+        self.removed_timelines = 0
 
     def begin(self) -> None:
         self.flush()  # a previous fit's last timeline goes to that fit's directory and stream first
@@ -114,11 +156,18 @@ class ProfilerHook(PeriodicHook):
         super().begin()
         self._events = self._acquire_events() if self.tensorboard else None
         self._run_start, self._fired_in_run = None, 0
+        for trigger in self.triggers:
+            trigger.reset()
+        self._capture, self._quiet_until = None, -1
+        self._kept.clear()
 
     def after_create_session(self, session: Any, coord: Any) -> None:
         super().after_create_session(session, coord)
         rank = getattr(session, "rank", 0)
         self._writes_here = self.ranks is None or rank in self.ranks
+        if self.triggers and self._writes_here and not self._watching:
+            STEP_TRACES.watch(self._window)  # keep the phases of the last steps, for a trigger's file
+            self._watching = True
 
     def _traces_step(self, global_step: int) -> bool:
         """Whether the step starting at `global_step` is one to trace (never the first: see after_run)."""
@@ -127,38 +176,86 @@ class ProfilerHook(PeriodicHook):
                 and timer.should_trigger_for_step(global_step + 1))
 
     def before_run(self, run_context) -> SessionRunArgs | None:
-        self._request = self._traces_step(run_context.session.global_step)
+        self._periodic = self._traces_step(run_context.session.global_step)
+        self._capturing = self._capture if self._writes_here else None
+        self._request = self._periodic or self._capturing is not None
+        if self._watching:
+            STEP_TRACES.step_begins()
+            return SessionRunArgs(fetches=self._trigger_fetches, options=self._options if self._request else None)
         return SessionRunArgs(options=self._options) if self._request else None
 
     def quiet_on(self, global_step: int) -> bool:
         timer = self._timer  # (_traces_step spelled out: this runs on every step the hook does not trace)
-        return timer.last_triggered_step() is not None and not (
+        return not self._watching and timer.last_triggered_step() is not None and not (
             self._writes_here and timer.should_trigger_for_step(global_step + 1))
 
     def after_run(self, run_context, run_values) -> None:
         timer = self._timer
-        if timer.last_triggered_step() is None:
+        session = run_context.session
+        step = session.global_step
+        if self._run_start is None:
+            self._run_start = (step - 1, time.monotonic())
+        capture = self._capturing
+        if capture is not None:
+            capture.left -= 1
+            if capture.left == 0 and self._capture is capture:
+                self._capture = None
+        if self._watching:
+            self._judge(step, run_values.results)
+        if timer.last_triggered_step() is None and not self._request:
             # TF 1.14+: the first step starts the count; the first timeline comes N steps or seconds later.
-            timer.update_last_triggered_step(run_context.session.global_step - 1)
-            self._run_start = (run_context.session.global_step - 1, time.monotonic())
+            timer.update_last_triggered_step(step - 1)  # (a NeverTriggerTimer, with triggers alone, ignores it)
         elif self._request:
-            session = run_context.session
-            step = session.global_step
-            timer.update_last_triggered_step(step)
+            if self._periodic:
+                timer.update_last_triggered_step(step)
             self._fired_in_run += 1  # (traced or not: another profiler may hold torch's, which warns itself)
             run_metadata = run_values.run_metadata
             if run_metadata.converted and run_metadata.step_stats is None:
                 return  # the step was not traced after all (another profiler held torch's)
-            job = _Job(step, run_metadata, session, self)
+            job = _Job(step, run_metadata, session, self, capture)
             # Converting the step's events and writing them costs as much as torch's profiler stop: it runs
             # on the background thread while training goes on (see hookprof._runtime.background).
             self._pending = BACKGROUND.submit(lambda: self._save(job))
             if self.profiler is not None:
                 self.profiler.wait_for(self._pending)  # its reports include this step
 
+    def _judge(self, step: int, results: dict[Any, Any]) -> None:
+        """Show the finished step to every trigger; on a fire (outside the cooldown) capture the next steps."""
+        record = STEP_TRACES.last_record
+        if record is not None:
+            record.step = step
+        # time and memory are judged only on steps that ran as an untraced step runs
+        judged = record is not None and not (record.traced or record.disturbed or results.get("batch_idx") == 0)
+        memory = allocated_bytes() if judged and self._reads_memory else None
+        observation = StepObservation(step, record.seconds if judged else None, None,
+                                      *(memory if memory is not None else (None, "")))
+        values = {key: host_scalar(value) for key, value in results.items()}
+        fires = []
+        for i, (trigger, key) in enumerate(zip(self.triggers, self._trigger_keys)):
+            observation.value = values.get(key)
+            try:
+                detail = trigger.observe(observation)
+            except TypeError as err:  # a fetch that gives no number: said once, the trigger sits out
+                self._warn_once(f"trigger:{i}", "%s", err)
+                continue
+            if detail is not None:
+                fires.append({"kind": trigger.kind, "step": step, "detail": detail})
+        if not fires or step <= self._quiet_until or not self._writes_here:
+            return
+        self._quiet_until = step + self.cooldown_steps
+        recent = [r for r in STEP_TRACES.recent if r.step is not None and r.step > step - self._window]
+        self._capture = _Capture(fires, recent, self.capture_steps)
+        for fire in fires:
+            self.fired[fire["kind"]] += 1
+            level = logging.WARNING if self.fired[fire["kind"]] == 1 else logging.INFO
+            log.log(level, "%s fired at step %d (%s): tracing step%s %d%s into '%s'.", fire["kind"], step,
+                    fire["detail"], "s" if self.capture_steps > 1 else "", step + 1,
+                    f"..{step + self.capture_steps}" if self.capture_steps > 1 else "", self.output_dir)
+
     @property
     def saved_paths(self) -> list[str]:
-        """The timelines written so far (waits for one still being written)."""
+        """The timelines written so far and still kept (`keep_last`), oldest first (waits for one still being
+        written)."""
         self.flush()
         return self._saved_paths
 
@@ -189,7 +286,8 @@ class ProfilerHook(PeriodicHook):
         path = job.path
         log.info("Saving timeline for %d into '%s'.", job.step, path)
         try:
-            result = self._writer.write(stats, path, job.metadata, job.distributed)
+            file_stats = _with_recent_steps(stats, job.capture) if job.capture is not None else stats
+            result = self._writer.write(file_stats, path, job.metadata, job.distributed)
         except Exception as err:  # a full disk, or a bug of ours, must not end the training run
             self.dropped_outputs += 1
             reason = (err.strerror or str(err)) if isinstance(err, OSError) else type(err).__name__
@@ -200,8 +298,31 @@ class ProfilerHook(PeriodicHook):
             self._warn_once("truncated", "Timeline %s was cut at max_events=%d events; raise max_events to keep "
                             "whole steps.", path, self.max_events)
         self._saved_paths.append(path)
+        if self.keep_last is not None:
+            self._retain(path)
         if job.events is not None:
             self._add_run_metadata(job.events, stats, job.tag, job.step)
+
+    def _retain(self, path: str) -> None:
+        """keep_last: remove this run's oldest timelines beyond the newest `keep_last` (on the background
+        thread, after `path` is whole; the files removed were written by this hook, in this run)."""
+        kept = self._kept
+        if path not in kept:
+            kept.append(path)
+        while len(kept) > self.keep_last:
+            old = kept.popleft()
+            try:
+                os.remove(old)
+            except FileNotFoundError:
+                pass  # removed by someone else: nothing to keep or count
+            except OSError as err:
+                self._warn_once(f"remove:{err.errno}", "Could not remove old timeline %s (%s); keep_last=%d goes "
+                                "on with the newer ones.", old, err.strerror or err, self.keep_last)
+                continue
+            else:
+                self.removed_timelines += 1
+            if old in self._saved_paths:
+                self._saved_paths.remove(old)
 
     def _add_run_metadata(self, events: Any, stats: Any, tag: str, step: int) -> None:
         """TF's `add_run_metadata(run_metadata, "step_N")`: the graph and stats for TensorBoard."""
@@ -218,7 +339,7 @@ class ProfilerHook(PeriodicHook):
 
     def end(self, session: Any) -> None:
         start = self._run_start
-        if start is not None and self._fired_in_run == 0 and self._writes_here:
+        if start is not None and self._fired_in_run == 0 and self._writes_here and not self.triggers:
             # a schedule longer than the fit: say so, or the user looks for files that never came
             steps, secs = getattr(session, "global_step", start[0]) - start[0], time.monotonic() - start[1]
             first, knob = (f"{self.save_steps} steps", "save_steps") if self.save_steps else \
@@ -234,21 +355,30 @@ class ProfilerHook(PeriodicHook):
         self.flush()
         super().close()
         self._events = None
+        if self._watching:
+            STEP_TRACES.unwatch(self._window)
+            self._watching = False
 
 
 class _Job:
     """One traced step to write, with where it goes fixed on the training thread when the step ended (a next
     fit may change the hook's directory and event stream before the background thread gets to it)."""
 
-    __slots__ = ("step", "run_metadata", "path", "metadata", "distributed", "events", "tag")
+    __slots__ = ("step", "run_metadata", "path", "metadata", "distributed", "events", "tag", "capture")
 
-    def __init__(self, step: int, run_metadata: Any, session: Any, hook: ProfilerHook) -> None:
+    def __init__(self, step: int, run_metadata: Any, session: Any, hook: ProfilerHook,
+                 capture: _Capture | None) -> None:
         rank, world_size = getattr(session, "rank", 0), getattr(session, "world_size", 1)
         self.step = step
         self.run_metadata = run_metadata
         self.path = hook.timeline_path(step, rank, world_size)
         self.metadata = {"framework": getattr(session, "framework", "unknown"), fmt.RANK: rank,
                          fmt.WORLD_SIZE: world_size}
+        self.capture = capture
+        if capture is not None:
+            self.metadata[fmt.TRIGGER] = capture.fires[0]
+            if len(capture.fires) > 1:
+                self.metadata[fmt.TRIGGERS_ALSO] = capture.fires[1:]
         self.distributed = {fmt.RANK: rank, fmt.WORLD_SIZE: world_size}
         backend = getattr(session, "distributed_backend", None)
         if backend:
@@ -256,6 +386,53 @@ class _Job:
         self.events = hook._events if hook.tensorboard else None
         # ranks share the run directory: their tags must not collide
         self.tag = f"step_{step}" if world_size == 1 else f"step_{step}_rank{rank}"
+
+
+class _Capture:
+    """A trigger's fire being captured: what fired (kind, step, detail), the records of the firing step and
+    the steps before it, and how many steps are still to trace."""
+
+    __slots__ = ("fires", "recent", "left")
+
+    def __init__(self, fires: list[dict[str, Any]], recent: list[StepRecord], steps: int) -> None:
+        self.fires = fires
+        self.recent = recent
+        self.left = steps
+
+
+RECENT_STEPS_THREAD_ID = 1  # the host pseudo-thread of a trigger's window (the step phases' is 0)
+
+
+def _with_recent_steps(stats: StepStats, capture: _Capture) -> StepStats:
+    """The stats to write for a triggered step: these, plus the phases of the firing step and those before
+    it on the host's "Steps before the trigger" thread (in a copy: the Profiler and the step graph see the
+    traced step alone)."""
+    fired = {fire["step"]: fire["kind"] for fire in capture.fires}
+    spans = []
+    for record in capture.recent:
+        label = f"step {record.step}" + (f" ({fired[record.step]})" if record.step in fired else "")
+        layout = [(label, record.start, record.end or record.start)] + record.spans()
+        for name, start, stop in layout:
+            spans.append(NodeExecStats(node_name=f"recent/step_{record.step}/{name}", op=name, start_ns=start,
+                                       duration_ns=max(0, stop - start), thread_id=RECENT_STEPS_THREAD_ID,
+                                       category=fmt.CAT_RECENT_STEP))
+    if not spans:
+        return stats
+    devices = list(stats.dev_stats)
+    host = next((i for i, dev in enumerate(devices) if dev.device == HOST_DEVICE), None)
+    old = devices[host] if host is not None else DeviceStepStats(HOST_DEVICE)
+    new = DeviceStepStats(HOST_DEVICE, spans + old.node_stats,
+                          {**old.thread_names, RECENT_STEPS_THREAD_ID: fmt.RECENT_STEPS_THREAD})
+    if host is None:
+        devices.append(new)
+    else:
+        devices[host] = new
+    return dataclasses.replace(stats, dev_stats=devices)
+
+
+def _batch_index(state: Any) -> Any:
+    """The step's batch index in its epoch (0: an epoch's first step, whose data loader may be starting)."""
+    return state.batch_idx
 
 
 def _check_ranks(owner: str, ranks: Any) -> frozenset[int] | None:

@@ -38,16 +38,21 @@ WORLD_SIZE = "world_size"  # the number of ranks (distributedInfo)
 RANKS = "ranks"  # the ranks a merged trace holds (its distributedInfo)
 MERGED_FROM = "merged_from"  # the files a merged trace was made of (its metadata)
 STEPS = "steps"  # the steps of the files a merged trace was made of (its metadata)
+TRIGGER = "trigger"  # why a triggered step was traced: {"kind", "step", "detail"} (hookprof.triggers)
+TRIGGERS_ALSO = "also_fired"  # the other triggers that fired at the same step, each as `trigger`
+SKIPPED_TRACES = "skipped_traces"  # traced steps not written since the last file (pending writes were full)
 
 # --- processes and threads -------------------------------------------------------------------------------
 COMPUTE_SUFFIX = " Compute"  # a device's process of ops, spans and kernels: "<device> Compute"
 TENSORS_SUFFIX = " Tensors"  # a device's process of tensor objects and the allocator counter
 STEP_PHASES_THREAD = "Step phases"  # the host thread of the step's phase spans
+RECENT_STEPS_THREAD = "Steps before the trigger"  # the host thread of a trigger's window of earlier steps
 
 # --- event categories (`cat`) ---------------------------------------------------------------------------
 CAT_OP = "Op"  # a framework op (aten::mm)
 CAT_MODULE = "Module"  # a module call, named by its scope
 CAT_SPAN = "Span"  # a host span: the step's phases
+CAT_RECENT_STEP = "RecentStep"  # a span of a step before a triggered trace: no node of the traced step
 CAT_KERNEL = "Kernel"  # an accelerator kernel, memcpy or memset
 CAT_RUNTIME = "Runtime"  # a runtime call that launched a kernel (cudaLaunchKernel)
 CAT_DATAFLOW = "DataFlow"  # flow arrows: launch -> kernel, producer -> consumer

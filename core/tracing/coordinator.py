@@ -11,6 +11,7 @@ callback events, or where the tracer saw them begin, so every tracer shows them 
 from __future__ import annotations
 
 import atexit
+import collections
 import logging
 import time
 from collections.abc import Hashable
@@ -41,19 +42,82 @@ class _StepTrace:
         self.metadata: RunMetadata | None = None
 
 
+class StepRecord:
+    """One step's phases as a watched run keeps them (`StepTraceCoordinator.watch`): cheap host timestamps
+    (ns) of its data wait's start (None for a run's first step), its start, each phase's start and its end."""
+
+    __slots__ = ("step", "data_wait_start", "start", "marks", "end", "traced", "disturbed")
+
+    def __init__(self, data_wait_start: int | None, start: int, disturbed: bool) -> None:
+        self.step: int | None = None  # the global step it reached, as its watchers number it
+        self.data_wait_start = data_wait_start
+        self.start = start
+        self.marks: list[tuple[str, int]] = []
+        self.end: int | None = None
+        self.traced = False  # a tracer ran in this step: its time is the tracer's as much as the step's
+        self.disturbed = disturbed  # hookprof's background work ran beside it
+
+    @property
+    def seconds(self) -> float:
+        """The step's wall time, its data wait included."""
+        begin = self.start if self.data_wait_start is None else self.data_wait_start
+        return ((self.end or begin) - begin) / 1e9
+
+    def spans(self) -> list[tuple[str, int, int]]:
+        """(name, start ns, end ns) of the data wait and each phase, as `_add_phase_spans` lays a traced step out."""
+        end = self.end or self.start
+        spans = [] if self.data_wait_start is None else [(fmt.DATA_WAIT, self.data_wait_start, self.start)]
+        return spans + _phase_spans(self.start, self.marks, end)
+
+
 class StepTraceCoordinator:
-    """Runs at most one tracer per step, whoever asked; hands every hook of the step the same metadata."""
+    """Runs at most one tracer per step, whoever asked; hands every hook of the step the same metadata.
+
+    Hooks that judge every step (a ProfilerHook with triggers) `watch` the run: the coordinator then keeps a
+    `StepRecord` of the last steps (`recent`), with the phases the framework marked, at the cost of a few
+    timestamps a step.
+    """
 
     def __init__(self) -> None:
         self._current: _StepTrace | None = None
         self._last_step_end_ns: int | None = None
         self._warn_once = WarnOnce(log)
+        self._watchers: collections.Counter[int] = collections.Counter()  # how many watch, by record count
+        self.recent: collections.deque[StepRecord] = collections.deque(maxlen=0)
+        self.last_record: StepRecord | None = None  # the watched step that ended last, until the next begins
+        self._record: StepRecord | None = None  # the watched step running
+
+    def watch(self, steps: int) -> None:
+        """Keep the records of at least the last `steps` steps until `unwatch(steps)`."""
+        self._watchers[steps] += 1
+        self._resize()
+
+    def unwatch(self, steps: int) -> None:
+        if self._watchers[steps] > 0:
+            self._watchers[steps] -= 1
+        self._watchers += collections.Counter()  # drops the zero counts
+        self._resize()
+
+    def _resize(self) -> None:
+        length = max(self._watchers, default=0)
+        if length != self.recent.maxlen:
+            self.recent = collections.deque(self.recent, maxlen=length)
+        if not length:
+            self._record = self.last_record = None
+
+    def step_begins(self) -> None:
+        """A watched step starts now (its hooks' `before_run`): open its record (once per step)."""
+        if self.recent.maxlen and self._record is None:
+            self.last_record = None
+            self._record = StepRecord(self._last_step_end_ns, time.time_ns(), BACKGROUND.busy)
 
     def new_run(self) -> None:
         """Training (re)starts: a trace left running by an unfinished step of a previous run is stopped, and
         the time since that run's last step is no data wait."""
         self.abort()
         self._last_step_end_ns = None
+        self.recent.clear()
+        self.last_record = None
 
     def restart_data_clock(self) -> None:
         """Work between steps that is not data loading (validation) ended now: the next data wait starts here."""
@@ -93,18 +157,30 @@ class StepTraceCoordinator:
         trace = _StepTrace(key, tracer, options, None if last is None else (last, requested_ns))
         self._current = trace
         trace.marks.append(("step", time.time_ns()))
+        if self._record is not None:
+            self._record.traced = True
 
     def mark(self, phase: str) -> None:
-        """Note that the running step entered `phase` now (first caller wins); free when nothing traces."""
+        """Note that the running step entered `phase` now (first caller wins); free when nothing traces or
+        watches."""
         current = self._current
         if current is not None and current.metadata is None:
             marks = current.marks
             if all(name != phase for name, _ in marks):
                 marks.append((phase, time.time_ns()))
+        record = self._record
+        if record is not None and all(name != phase for name, _ in record.marks):
+            record.marks.append((phase, time.time_ns()))
 
     def finish(self, key: Hashable) -> RunMetadata | None:
         """Stop the trace of step `key` (if it still runs) and return its metadata; None if it was not traced."""
         end_ns = self._last_step_end_ns = time.time_ns()
+        record = self._record
+        if record is not None:
+            record.end, self._record = end_ns, None
+            record.disturbed = record.disturbed or BACKGROUND.busy
+            self.recent.append(record)
+            self.last_record = record
         current = self._current
         if current is None or current.key != key:
             return None
@@ -131,6 +207,7 @@ class StepTraceCoordinator:
 
     def abort(self) -> None:
         """Drop the running trace, if any, after a failed step; the tracer is always stopped."""
+        self._record = None
         current, self._current = self._current, None
         if current is not None and current.metadata is None:
             try:
@@ -148,12 +225,7 @@ def _add_phase_spans(stats: StepStats, trace: _StepTrace, end_ns: int) -> None:
         spans.append((fmt.DATA_WAIT, *trace.data_wait))
     step_start = trace.marks[0][1]
     spans.append((fmt.TRAIN_STEP, step_start, end_ns))
-    phases = trace.marks[1:] or _phases_seen(stats, step_start, end_ns)
-    if phases and phases[0][1] > step_start:  # the part before the first marked phase is the forward pass
-        phases.insert(0, ("forward", step_start))
-    for i, (name, start) in enumerate(phases):
-        stop = phases[i + 1][1] if i + 1 < len(phases) else end_ns
-        spans.append((name, start, stop))
+    spans += _phase_spans(step_start, trace.marks[1:] or _phases_seen(stats, step_start, end_ns), end_ns)
     for name, start, stop in spans:
         host.node_stats.append(
             NodeExecStats(
@@ -162,6 +234,15 @@ def _add_phase_spans(stats: StepStats, trace: _StepTrace, end_ns: int) -> None:
                 category=fmt.CAT_SPAN,
             )
         )
+
+
+def _phase_spans(step_start: int, marks: list[tuple[str, int]], end_ns: int) -> list[tuple[str, int, int]]:
+    """Each phase from where it was marked to where the next began; before the first mark, the forward pass."""
+    phases = list(marks)
+    if phases and phases[0][1] > step_start:
+        phases.insert(0, ("forward", step_start))
+    return [(name, start, phases[i + 1][1] if i + 1 < len(phases) else end_ns)
+            for i, (name, start) in enumerate(phases)]
 
 
 def _phases_seen(stats: StepStats, step_start: int, step_end: int) -> list[tuple[str, int]]:

@@ -1,0 +1,243 @@
+"""Triggers (`hookprof.triggers`) and `keep_last`, on real Lightning and Keras fits with planted problems."""
+
+import json
+import logging
+import math
+import os
+import time
+
+import keras
+import lightning as L
+import numpy as np
+import pytest
+import torch
+
+import hookprof
+from hookprof.trace import format as fmt
+from hookprof.triggers import LossSpike, MemoryJump, NonFinite, SlowStep, StepObservation
+from tests.lightning_models import loader, trainer
+
+assert keras.backend.backend() == "torch"
+
+
+class Planted(L.LightningModule):
+    """An MLP whose training step takes some 20 ms (a sleep: steady, so a busy machine's scheduling noise stays
+    small beside it) and, on the step reaching global step `at`, a planted
+    problem: a sleep (`slow`), a NaN loss (`nan`); `leak` keeps every step's activation alive."""
+
+    def __init__(self, at=None, problem=None):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 256), torch.nn.ReLU(), torch.nn.Linear(256, 1))
+        self.at, self.problem, self.kept = at, problem, []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        here = self.at is not None and self.trainer.global_step + 1 == self.at
+        time.sleep(0.02)
+        if here and self.problem == "slow":
+            time.sleep(0.3)
+        out = self.net(x)
+        if self.problem == "leak":
+            self.kept.append(torch.ones(256 * 1024))  # 1 MiB kept every step
+        loss = torch.nn.functional.mse_loss(out, y)
+        if here and self.problem == "nan":
+            loss = loss * float("nan")
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+
+def fit_lightning(root, hook, steps, model):
+    trainer(str(root), [hook], max_steps=steps, logger=False).fit(model, loader(n=64, batch_size=8))
+    return hook
+
+
+def metadata(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+def recent_spans(trace):
+    return [e for e in trace["traceEvents"] if e.get("cat") == fmt.CAT_RECENT_STEP]
+
+
+def test_a_slow_step_is_caught_and_the_next_step_traced_with_the_slow_steps_phases(tmp_path):
+    from lightning_prof import ProfilerHook
+
+    hook = ProfilerHook(triggers=[SlowStep(factor=3.0, window=40, min_steps=10)], output_dir=str(tmp_path),
+                        tensorboard=False)
+    fit_lightning(tmp_path, hook, 60, Planted(at=30, problem="slow"))
+    assert [os.path.basename(p) for p in hook.saved_paths] == ["timeline-31.json"]
+    assert hook.hook.fired == {"slow_step": 1}
+    trace = metadata(hook.saved_paths[0])
+    trigger = trace["metadata"][fmt.TRIGGER]
+    assert trigger["kind"] == "slow_step" and trigger["step"] == 30
+    slow_ms, median_ms = (float(part.split(" ms")[0]) for part in trigger["detail"].split(" against a median of "))
+    assert slow_ms >= 300 and slow_ms > 3 * median_ms
+    spans = recent_spans(trace)
+    by_name = {e["name"]: e for e in spans}
+    slow = by_name["step 30 (slow_step)"]
+    assert slow["dur"] >= 300_000  # the slow step itself, though the traced step 31 is a normal one
+    # its phases, as Lightning marked them: the sleep sits in the forward phase
+    phases = [e for e in spans if e["args"]["name"].startswith("recent/step_30/") and e["name"] != slow["name"]]
+    assert {e["name"] for e in phases} >= {"forward", "backward", "optimizer"}
+    assert max(phases, key=lambda e: e["dur"])["name"] == "forward"
+    # and the window of steps before it (40 and the firing one, less the first step, which has no record)
+    steps = sorted(int(e["args"]["name"].split("/")[1][5:]) for e in spans if e["name"].startswith("step "))
+    assert steps == list(range(1, 31))[-41:]
+    # the traced step's own content is untouched: the Step phases thread has one train step, 31
+    assert sum(1 for e in trace["traceEvents"] if e.get("name") == "ProfilerStep#31") == 1
+
+
+def test_a_nan_loss_fires_non_finite_once_within_the_cooldown(tmp_path):
+    from lightning_prof import ProfilerHook
+
+    hook = ProfilerHook(triggers=[NonFinite("loss")], capture_steps=2, cooldown_steps=100,
+                        output_dir=str(tmp_path), tensorboard=False)
+    fit_lightning(tmp_path, hook, 40, Planted(at=12, problem="nan"))  # the loss stays NaN from step 12 on
+    assert [os.path.basename(p) for p in hook.saved_paths] == ["timeline-13.json", "timeline-14.json"]
+    assert hook.hook.fired == {"non_finite": 1}
+    for path in hook.saved_paths:
+        assert metadata(path)["metadata"][fmt.TRIGGER] == {"kind": "non_finite", "step": 12, "detail": "loss = nan"}
+
+
+def test_kept_activations_fire_memory_jump(tmp_path):
+    from lightning_prof import ProfilerHook
+
+    hook = ProfilerHook(triggers=[MemoryJump(6 * 2**20, window=40, min_steps=10)], output_dir=str(tmp_path),
+                        tensorboard=False)
+    fit_lightning(tmp_path, hook, 40, Planted(problem="leak"))
+    assert hook.hook.fired == {"memory_jump": 1}
+    trigger = metadata(hook.saved_paths[0])["metadata"][fmt.TRIGGER]
+    assert trigger["kind"] == "memory_jump" and "host resident at the step's end" in trigger["detail"]
+    assert 12 <= trigger["step"] <= 25  # 1 MiB a step: 6 MiB above the median some 12 steps after min_steps
+
+
+def test_a_healthy_run_of_300_steps_fires_nothing_beside_its_schedule(tmp_path, caplog):
+    from lightning_prof import ProfilerHook
+
+    triggers = [SlowStep(), NonFinite(), LossSpike(), MemoryJump(64 * 2**20)]
+    hook = ProfilerHook(save_steps=100, triggers=triggers, output_dir=str(tmp_path), tensorboard=False)
+    with caplog.at_level(logging.INFO, logger="hookprof"):
+        fit_lightning(tmp_path, hook, 300, Planted())
+    assert hook.hook.fired == {}, [r.getMessage() for r in caplog.records if "fired" in r.getMessage()]
+    assert [os.path.basename(p) for p in hook.saved_paths] == [f"timeline-{s}.json" for s in (100, 200, 300)]
+    assert all(fmt.TRIGGER not in metadata(p)["metadata"] for p in hook.saved_paths)
+
+
+def test_keep_last_keeps_the_newest_timelines_of_this_run_only(tmp_path):
+    from lightning_prof import ProfilerHook
+
+    other_run = tmp_path / "timeline-1000.json"
+    other_run.write_text("{}")
+    hook = ProfilerHook(save_steps=1, keep_last=3, output_dir=str(tmp_path), tensorboard=False)
+    fit_lightning(tmp_path, hook, 11, Planted())  # the first step starts the count: steps 2..11 traced
+    newest = [f"timeline-{s}.json" for s in (9, 10, 11)]
+    assert [os.path.basename(p) for p in hook.saved_paths] == newest
+    assert sorted(f for f in os.listdir(tmp_path) if f.startswith("timeline-")) == sorted(newest + [other_run.name])
+    assert hook.hook.removed_timelines == 7
+    assert all(metadata(tmp_path / name)["metadata"]["step"] == int(name[9:-5]) for name in newest)
+
+
+# --- Keras ------------------------------------------------------------------------------------------------
+
+
+class Planter(keras.layers.Layer):
+    """Passes its input through; on its `at`-th training call sleeps (`slow`) or makes it NaN (`nan`)."""
+
+    def __init__(self, at, problem, **kwargs):
+        super().__init__(**kwargs)
+        self.at, self.problem, self.calls = at, problem, 0
+
+    def call(self, x, training=False):
+        if training:
+            self.calls += 1
+            time.sleep(0.02)
+            if self.calls == self.at and self.problem == "slow":
+                time.sleep(0.3)
+            if self.calls == self.at and self.problem == "nan":
+                return x * float("nan")
+        return x
+
+
+def keras_fit(tmp_path, hook, problem, at, steps=60):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(32, activation="relu"),
+                              Planter(at, problem), keras.layers.Dense(1)])
+    model.compile(optimizer="adam", loss="mse")
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((steps * 4, 8)).astype("float32"), rng.standard_normal((steps * 4, 1)).astype("float32")
+    model.fit(x, y, batch_size=4, epochs=1, callbacks=[hook], verbose=0)
+    return hook
+
+
+def test_keras_slow_step_fires_and_the_next_step_is_traced(tmp_path):
+    from keras_prof import ProfilerHook
+
+    hook = ProfilerHook(triggers=[SlowStep(window=40, min_steps=10)], output_dir=str(tmp_path), tensorboard=False)
+    keras_fit(tmp_path, hook, "slow", at=30)
+    assert [os.path.basename(p) for p in hook.saved_paths] == ["timeline-31.json"]
+    trace = metadata(hook.saved_paths[0])
+    assert trace["metadata"][fmt.TRIGGER]["kind"] == "slow_step" and trace["metadata"][fmt.TRIGGER]["step"] == 30
+    slow = [e for e in recent_spans(trace) if e["name"] == "step 30 (slow_step)"]
+    assert len(slow) == 1 and slow[0]["dur"] >= 300_000
+    assert any(e.get("cat") == fmt.CAT_OP for e in trace["traceEvents"])  # the traced step holds its ops
+
+
+def test_keras_nan_loss_fires_non_finite(tmp_path):
+    from keras_prof import ProfilerHook
+
+    hook = ProfilerHook(triggers=[NonFinite("loss")], output_dir=str(tmp_path), tensorboard=False)
+    keras_fit(tmp_path, hook, "nan", at=20, steps=30)
+    assert [os.path.basename(p) for p in hook.saved_paths] == ["timeline-21.json"]
+    trigger = metadata(hook.saved_paths[0])["metadata"][fmt.TRIGGER]
+    assert trigger["kind"] == "non_finite" and trigger["step"] == 20
+
+
+# --- the triggers themselves --------------------------------------------------------------------------------
+
+
+def test_loss_spike_compares_with_the_rolling_median_and_skips_non_finite_values():
+    spike = LossSpike(factor=3.0, window=5, min_steps=3)
+    details = [spike.observe(StepObservation(step, value=v)) for step, v in
+               enumerate([1.0, 1.2, 0.9, 2.9, math.nan, 3.5, 1.0], start=1)]
+    assert details[:5] == [None] * 5  # 2.9 < 3 x 1.0; NaN is NonFinite's
+    assert details[5] == "loss 3.5 against a median of 1.1" and details[6] is None
+    # a loss whose batches spread widely (0.1 and 0.9 in turn): 1.6 is 3x the median, yet within 3x the
+    # window's usual excursion above it (the 90th percentile, 0.9, is 0.4 above the median 0.5); 1.8 is not
+    def noisy():
+        spike = LossSpike(factor=3.0, window=20, min_steps=20)
+        assert all(spike.observe(StepObservation(step, value=(0.1, 0.9)[step % 2])) is None for step in range(20))
+        return spike
+
+    assert noisy().observe(StepObservation(20, value=1.6)) is None
+    assert noisy().observe(StepObservation(20, value=1.8)) == "loss 1.8 against a median of 0.5"
+    negative = LossSpike(factor=3.0, window=5, min_steps=1)
+    assert negative.observe(StepObservation(1, value=-2.0)) is None
+    assert negative.observe(StepObservation(2, value=1.9)) is None  # -2 + 2 x 2 = 2: not above
+    assert negative.observe(StepObservation(3, value=2.5)) is not None
+
+
+def test_slow_step_ignores_steps_not_judged_and_waits_for_min_steps():
+    slow = SlowStep(factor=2.0, window=4, min_steps=2)
+    assert slow.observe(StepObservation(1, seconds=0.01)) is None
+    assert slow.observe(StepObservation(2, seconds=1.0)) is None  # one step seen: no median yet
+    assert slow.observe(StepObservation(3, seconds=None)) is None  # not judged (a traced step): not counted
+    assert slow.observe(StepObservation(4, seconds=0.01)) is None  # the median of .01 and 1 is .505
+    assert slow.observe(StepObservation(5, seconds=0.5)) == "500.0 ms against a median of 10.0 ms"
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: SlowStep(factor=1.0), "`factor` must be a number > 1"),
+    (lambda: SlowStep(window=10, min_steps=20), "make it at most `window`"),
+    (lambda: MemoryJump(0), "`bytes` must be an int >= 1"),
+    (lambda: NonFinite(3), "`fetch` must be a fetch"),
+    (lambda: hookprof.ProfilerHook(triggers=SlowStep()), "`triggers` must be a list"),
+    (lambda: hookprof.ProfilerHook(), "or give `triggers`"),
+    (lambda: hookprof.ProfilerHook(save_steps=5, keep_last=0), "`keep_last` must be an int >= 1, or None"),
+    (lambda: hookprof.ProfilerHook(triggers=[SlowStep()], capture_steps=0), "`capture_steps` must be an int >= 1"),
+])
+def test_bad_trigger_arguments_are_named_before_training(make, message):
+    with pytest.raises((TypeError, ValueError), match=message):
+        make()
