@@ -8,8 +8,10 @@ one worker thread, in the order they came, while training goes on in torch's ker
 - a `ProfilerHook` on its own last job at `end()`/`close()`, `saved_paths` and `flush()`, so every file is
   on disk when `fit` returns;
 - a `Profiler` on the jobs that add steps to it, before it reports.
-Only two waits are for the whole worker (`wait_idle`): before a new trace starts (`StepTraceCoordinator`),
-so a conversion never runs inside the next traced step and distorts its timings, and before a fork.
+File writes themselves run on a second worker, `WRITES`, fed by those jobs: the disk's time is no one's wait.
+Only two waits are for the whole of `BACKGROUND` (`wait_idle`): before a new trace starts
+(`StepTraceCoordinator`), so a conversion never runs inside the next traced step and distorts its timings,
+and before a fork.
 
 The thread exists only while there is work (it is not a daemon: the interpreter finishes a write in progress
 before it exits, and no file is left half-written).
@@ -109,11 +111,16 @@ class Background:
 
 
 BACKGROUND = Background()
+# The disk's own worker: a rendered timeline (bytes in memory) and its TensorBoard events are put on disk
+# here, so a slow disk holds up neither training nor the next traced step's conversion. ProfilerHook bounds
+# how many files wait for it (MAX_PENDING_WRITES) and skips traces past that, counted.
+WRITES = Background("hookprof-writes")
 
 
 def _after_fork_in_child() -> None:
-    """A forked child has no worker thread: it starts afresh there."""
+    """A forked child has no worker threads: they start afresh there."""
     BACKGROUND.__init__(BACKGROUND.name)
+    WRITES.__init__(WRITES.name)
 
 
 if hasattr(os, "register_at_fork"):

@@ -11,8 +11,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from hookprof._runtime import arguments
-from hookprof._runtime.atomic_file import remove_stale_temps
-from hookprof._runtime.background import BACKGROUND
+from hookprof._runtime.atomic_file import atomic_write, remove_stale_temps
+from hookprof._runtime.background import BACKGROUND, WRITES, BackgroundJob
 from hookprof._runtime.memory import allocated_bytes
 from hookprof.hooks.periodic_hook import PeriodicHook
 from hookprof.hooks.session_run_hook import RunOptions, SessionRunArgs, TraceLevel
@@ -26,6 +26,9 @@ from hookprof.triggers import StepObservation, Trigger, check_triggers, host_sca
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_EVENTS = 2_000_000  # what Perfetto's and Chrome's JSON importers load comfortably
+# Traced steps rendered and waiting for the disk, at most (each held in memory until written): past that a
+# step due to be traced is not, and is counted (`skipped_traces`, the next file's `skipped_traces`).
+MAX_PENDING_WRITES = 2
 
 
 class ProfilerHook(PeriodicHook):
@@ -146,6 +149,11 @@ class ProfilerHook(PeriodicHook):
         self.fired: collections.Counter[str] = collections.Counter()  # trigger fires by kind, over all runs
         self._kept: collections.deque[str] = collections.deque()  # this run's timelines, oldest first (keep_last)
         self.removed_timelines = 0
+        self._writes: collections.deque[BackgroundJob] = collections.deque()  # on the disk's worker, in order
+        self.skipped_traces = 0  # steps due to be traced while MAX_PENDING_WRITES files waited for the disk
+        self._skipped_since_file = 0
+        self._wanted = self._skipping = self._periodic = False
+        self._capturing: _Capture | None = None
 
     def begin(self) -> None:
         self.flush()  # a previous fit's last timeline goes to that fit's directory and stream first
@@ -178,7 +186,10 @@ class ProfilerHook(PeriodicHook):
     def before_run(self, run_context) -> SessionRunArgs | None:
         self._periodic = self._traces_step(run_context.session.global_step)
         self._capturing = self._capture if self._writes_here else None
-        self._request = self._periodic or self._capturing is not None
+        self._wanted = self._periodic or self._capturing is not None
+        # a disk slower than the schedule: skip the trace (counted) rather than stall or hold ever more files
+        self._skipping = self._wanted and self._pending_writes() >= MAX_PENDING_WRITES
+        self._request = self._wanted and not self._skipping
         if self._watching:
             STEP_TRACES.step_begins()
             return SessionRunArgs(fetches=self._trigger_fetches, options=self._options if self._request else None)
@@ -202,13 +213,21 @@ class ProfilerHook(PeriodicHook):
                 self._capture = None
         if self._watching:
             self._judge(step, run_values.results)
-        if timer.last_triggered_step() is None and not self._request:
+        if timer.last_triggered_step() is None and not self._wanted:
             # TF 1.14+: the first step starts the count; the first timeline comes N steps or seconds later.
             timer.update_last_triggered_step(step - 1)  # (a NeverTriggerTimer, with triggers alone, ignores it)
-        elif self._request:
+        elif self._wanted:
             if self._periodic:
                 timer.update_last_triggered_step(step)
             self._fired_in_run += 1  # (traced or not: another profiler may hold torch's, which warns itself)
+            if self._skipping:
+                self.skipped_traces += 1
+                self._skipped_since_file += 1
+                self._warn_once("skipped", "Timelines are traced faster than the disk takes them: %d files wait to "
+                                "be written into %s, so step %d was not traced. Skipped steps are counted in "
+                                "`skipped_traces` and in the next file's metadata; trace less often to keep them.",
+                                MAX_PENDING_WRITES, self.output_dir, step)
+                return
             run_metadata = run_values.run_metadata
             if run_metadata.converted and run_metadata.step_stats is None:
                 return  # the step was not traced after all (another profiler held torch's)
@@ -263,6 +282,16 @@ class ProfilerHook(PeriodicHook):
         """Wait until every traced step so far is on disk (files, TensorBoard, the Profiler)."""
         if self._pending is not None:
             self._pending.wait()  # this hook's jobs run in order: its last one done, all are
+        if self._writes:
+            self._writes[-1].wait()  # and so do the disk's
+            self._writes.clear()
+
+    def _pending_writes(self) -> int:
+        """Traced steps of this hook not yet on disk: rendering (one at most) or waiting for the disk."""
+        writes = self._writes
+        while writes and writes[0].done:
+            writes.popleft()
+        return len(writes) + (self._pending is not None and not self._pending.done)
 
     def timeline_path(self, step: int, rank: int = 0, world_size: int = 1) -> str:
         """The file a traced `step` is written to."""
@@ -271,28 +300,53 @@ class ProfilerHook(PeriodicHook):
         return os.path.join(self.output_dir or "", f"timeline-{int(step)}{suffix}{extension}")
 
     def _save(self, job: _Job) -> None:
-        """Convert (if no one did yet) and write one traced step: timeline, TensorBoard run metadata, Profiler."""
+        """On the background thread: convert (if no one did yet) and render one traced step (the timeline's
+        bytes, the TensorBoard events), hand them to the disk's worker (`WRITES`), add the step to the
+        Profiler."""
         stats = job.run_metadata.step_stats
         if stats is None:
             return
-        self._write(job, stats)
+        trace = events = None
+        try:
+            file_stats = _with_recent_steps(stats, job.capture) if job.capture is not None else stats
+            trace = self._writer.render(file_stats, job.metadata, job.distributed)
+        except Exception:  # a bug of ours must not end the training run
+            self.dropped_outputs += 1
+            self._warn_once("render", "Could not render timeline %s; training goes on without it.", job.path,
+                            exc_info=True)
+        if job.events is not None:
+            events = self._run_metadata_events(stats, job.tag, job.step)
+        if trace is not None or events:
+            self._writes.append(WRITES.submit(lambda: self._store(job, trace, events)))
         if self.profiler is not None:
             try:
                 self.profiler.add_step(job.step, job.run_metadata)
             except Exception:  # the Profiler's bug must not cost the timeline or the run
                 self._warn_once("profiler", "Profiler.add_step(%d) failed.", job.step, exc_info=True)
 
-    def _write(self, job: _Job, stats: Any) -> None:
-        path = job.path
-        log.info("Saving timeline for %d into '%s'.", job.step, path)
+    def _store(self, job: _Job, trace: Any, events: list[Any] | None) -> None:
+        """On the disk's worker: put a rendered step on disk (the timeline atomically, then its events)."""
+        if trace is not None:
+            self._write_file(job.path, *trace)
+        if events:
+            try:
+                for event in events:
+                    job.events.add_event(event)
+            except Exception as err:  # TensorBoard output must not end the training run either
+                self.dropped_outputs += 1
+                reason = (err.strerror or str(err)) if isinstance(err, OSError) else type(err).__name__
+                self._warn_once(f"tb:{reason}", "Could not write step_%d to TensorBoard in %s (%s); training goes "
+                                "on without it.", job.step, self.output_dir, reason)
+
+    def _write_file(self, path: str, data: Any, result: Any) -> None:
+        log.info("Saving timeline into '%s'.", path)
         try:
-            file_stats = _with_recent_steps(stats, job.capture) if job.capture is not None else stats
-            result = self._writer.write(file_stats, path, job.metadata, job.distributed)
-        except Exception as err:  # a full disk, or a bug of ours, must not end the training run
+            with atomic_write(path) as out:
+                data.write_to(out)
+        except OSError as err:  # a full disk must not end the training run
             self.dropped_outputs += 1
-            reason = (err.strerror or str(err)) if isinstance(err, OSError) else type(err).__name__
-            self._warn_once(reason, "Could not write timeline %s (%s); training goes on without it.", path,
-                            reason, exc_info=not isinstance(err, OSError))
+            reason = err.strerror or str(err)
+            self._warn_once(reason, "Could not write timeline %s (%s); training goes on without it.", path, reason)
             return
         if result.truncated:
             self._warn_once("truncated", "Timeline %s was cut at max_events=%d events; raise max_events to keep "
@@ -300,8 +354,6 @@ class ProfilerHook(PeriodicHook):
         self._saved_paths.append(path)
         if self.keep_last is not None:
             self._retain(path)
-        if job.events is not None:
-            self._add_run_metadata(job.events, stats, job.tag, job.step)
 
     def _retain(self, path: str) -> None:
         """keep_last: remove this run's oldest timelines beyond the newest `keep_last` (on the background
@@ -324,18 +376,19 @@ class ProfilerHook(PeriodicHook):
             if old in self._saved_paths:
                 self._saved_paths.remove(old)
 
-    def _add_run_metadata(self, events: Any, stats: Any, tag: str, step: int) -> None:
-        """TF's `add_run_metadata(run_metadata, "step_N")`: the graph and stats for TensorBoard."""
+    def _run_metadata_events(self, stats: Any, tag: str, step: int) -> list[Any] | None:
+        """TF's `add_run_metadata(run_metadata, "step_N")`: the graph and stats for TensorBoard, as events."""
         try:
             from hookprof.tensorboard import graph as tensorboard_graph
 
-            tensorboard_graph.add_run_metadata(events, stats, tag, step)
+            return tensorboard_graph.run_metadata_events(stats, tag, step)
         except ImportError:
             self._warn_once("no tensorboard", "The tensorboard package is not installed: timelines are written "
                             "but not the step_N graphs; pip install tensorboard, or pass tensorboard=False.")
-        except Exception as err:  # TensorBoard output must not end the training run either
+        except Exception:  # a bug of ours must not end the training run
             self.dropped_outputs += 1
-            self._warn_once(f"tb:{type(err).__name__}", "Could not write step_%d to TensorBoard (%s).", step, err)
+            self._warn_once("tb:render", "Could not build step_%d for TensorBoard.", step, exc_info=True)
+        return None
 
     def end(self, session: Any) -> None:
         start = self._run_start
@@ -375,6 +428,8 @@ class _Job:
         self.metadata = {"framework": getattr(session, "framework", "unknown"), fmt.RANK: rank,
                          fmt.WORLD_SIZE: world_size}
         self.capture = capture
+        if hook._skipped_since_file:
+            self.metadata[fmt.SKIPPED_TRACES], hook._skipped_since_file = hook._skipped_since_file, 0
         if capture is not None:
             self.metadata[fmt.TRIGGER] = capture.fires[0]
             if len(capture.fires) > 1:

@@ -113,12 +113,19 @@ def run_metadata(stats: StepStats) -> Any:
     return meta
 
 
-def add_run_metadata(writer: Any, stats: StepStats, tag: str, step: int) -> None:
-    """Write the step's graph and its tagged run metadata to `writer` (an event sink: see `events`)."""
+def run_metadata_events(stats: StepStats, tag: str, step: int) -> list[Any]:
+    """TF's `add_run_metadata(run_metadata, tag)` as the two events it writes: the step's graph and its
+    tagged run metadata (built here, off the disk's time; an event sink writes them: see `events`)."""
     from tensorboard.compat.proto.event_pb2 import TaggedRunMetadata
 
     from hookprof.tensorboard.events import new_event
 
-    writer.add_event(new_event(step, graph_def=step_graph(stats).SerializeToString()))
-    writer.add_event(new_event(step, tagged_run_metadata=TaggedRunMetadata(
-        tag=tag, run_metadata=run_metadata(stats).SerializeToString())))
+    return [new_event(step, graph_def=step_graph(stats).SerializeToString()),
+            new_event(step, tagged_run_metadata=TaggedRunMetadata(
+                tag=tag, run_metadata=run_metadata(stats).SerializeToString()))]
+
+
+def add_run_metadata(writer: Any, stats: StepStats, tag: str, step: int) -> None:
+    """Write the step's graph and its tagged run metadata to `writer` (an event sink: see `events`)."""
+    for event in run_metadata_events(stats, tag, step):
+        writer.add_event(event)

@@ -55,35 +55,62 @@ def write_trace(path: str, events: Iterator[dict[str, Any]], tail: dict[str, Any
     At most `max_events` events are written; past that the rest is dropped and `tail["metadata"]` records
     `truncated: true`. The file appears only when complete (temp file + rename), never half-written.
     """
+    with atomic_write(path) as raw:
+        return serialize_trace(raw, events, tail, compress, max_events, head)
+
+
+def serialize_trace(raw: Any, events: Iterator[dict[str, Any]], tail: dict[str, Any], compress: bool = False,
+                    max_events: int | None = None, head: dict[str, Any] | None = None) -> WriteResult:
+    """`write_trace`'s serialisation, into any binary file object `raw` (a file, or a `ChunkBuffer`)."""
     count = 0
     truncated = False
-    with atomic_write(path) as raw:
-        # gzip compresses on a second thread (zlib releases the GIL) while the next chunk of events is built
-        out: Any = _BackgroundWriter(gzip.GzipFile(fileobj=raw, mode="wb", compresslevel=1, mtime=0)) \
-            if compress else raw
-        try:
-            out.write(b"{" + (json.dumps(head)[1:-1] + ", ").encode() if head else b"{")
-            out.write(b'"traceEvents":[')
-            for chunk in _chunks(events):
-                if max_events is not None and count + len(chunk) > max_events:
-                    chunk = chunk[: max_events - count]
-                    truncated = True
-                if chunk:
-                    if count:
-                        out.write(b",")
-                    out.write(orjson.dumps(chunk)[1:-1])
-                    count += len(chunk)
-                if truncated:
-                    break
-            metadata = {**tail.get(fmt.METADATA, {}), fmt.EVENTS: count}
+    # gzip compresses on a second thread (zlib releases the GIL) while the next chunk of events is built
+    out: Any = _BackgroundWriter(gzip.GzipFile(fileobj=raw, mode="wb", compresslevel=1, mtime=0)) \
+        if compress else raw
+    try:
+        out.write(b"{" + (json.dumps(head)[1:-1] + ", ").encode() if head else b"{")
+        out.write(b'"traceEvents":[')
+        for chunk in _chunks(events):
+            if max_events is not None and count + len(chunk) > max_events:
+                chunk = chunk[: max_events - count]
+                truncated = True
+            if chunk:
+                if count:
+                    out.write(b",")
+                out.write(orjson.dumps(chunk)[1:-1])
+                count += len(chunk)
             if truncated:
-                metadata[fmt.TRUNCATED] = True
-                metadata[fmt.MAX_EVENTS] = max_events
-            out.write(b"]," + orjson.dumps({**tail, fmt.METADATA: metadata}, default=str)[1:])
-        finally:
-            if out is not raw:
-                out.close()
+                break
+        metadata = {**tail.get(fmt.METADATA, {}), fmt.EVENTS: count}
+        if truncated:
+            metadata[fmt.TRUNCATED] = True
+            metadata[fmt.MAX_EVENTS] = max_events
+        out.write(b"]," + orjson.dumps({**tail, fmt.METADATA: metadata}, default=str)[1:])
+    finally:
+        if out is not raw:
+            out.close()
     return WriteResult(count, truncated)
+
+
+class ChunkBuffer:
+    """A write-only binary file kept in memory as the chunks written (no copy into one buffer); `write_to`
+    puts them in a real file. A rendered timeline waits here for the disk."""
+
+    def __init__(self) -> None:
+        self.chunks: list[bytes] = []
+        self.nbytes = 0
+
+    def write(self, data: bytes) -> int:
+        self.chunks.append(bytes(data))
+        self.nbytes += len(data)
+        return len(data)
+
+    def flush(self) -> None:
+        pass
+
+    def write_to(self, out: Any) -> None:
+        for chunk in self.chunks:
+            out.write(chunk)
 
 
 class _BackgroundWriter:
@@ -172,6 +199,18 @@ class ChromeTraceWriter:
               distributed: dict[str, Any] | None = None) -> WriteResult:
         """Write `stats` to `path` (atomically). `distributed` (rank, world_size, backend) is recorded as
         the trace's `distributedInfo`, as kineto does, and prefixes process names with the rank."""
+        with atomic_write(path) as raw:
+            return self._serialize(raw, stats, metadata, distributed)
+
+    def render(self, stats: StepStats, metadata: dict[str, Any] | None = None,
+               distributed: dict[str, Any] | None = None) -> tuple[ChunkBuffer, WriteResult]:
+        """What `write` puts in the file, in memory: the bytes (to `write_to` a file later) and the result."""
+        buffer = ChunkBuffer()
+        result = self._serialize(buffer, stats, metadata, distributed)
+        return buffer, result
+
+    def _serialize(self, raw: Any, stats: StepStats, metadata: dict[str, Any] | None,
+                   distributed: dict[str, Any] | None) -> WriteResult:
         extra: dict[str, Any] = {fmt.STEP: stats.step}
         if self.show_memory and stats.memory_samples:
             extra[fmt.PEAK_ALLOCATED_BYTES] = stats.peak_allocated()
@@ -186,7 +225,7 @@ class ChromeTraceWriter:
             prefix = fmt.rank_prefix(distributed.get(fmt.RANK, 0))
         head = {fmt.DISTRIBUTED_INFO: distributed} if distributed else None
         with paused_gc():
-            return write_trace(path, self.events(stats, prefix, base), tail, self.compress, self.max_events, head)
+            return serialize_trace(raw, self.events(stats, prefix, base), tail, self.compress, self.max_events, head)
 
 
 # One write's serialised argument signatures, by (dtype list identity, shapes JSON): a step repeats few
