@@ -26,16 +26,18 @@ def main(argv: list[str] | None = None) -> int:
     profile = commands.add_parser("profile", help="tfprof's views of a saved profile or of timelines")
     profile.add_argument("inputs", nargs="+", help="a .prof file (Profiler.serialize_to_string) or timelines")
     profile.add_argument("--view", choices=sorted(VIEWS), default="scope")
-    profile.add_argument("--order-by", default=None, help="name, micros, bytes, params, occurrence, ...")
-    profile.add_argument("--select", default=None, help="comma-separated columns, e.g. micros,bytes")
     profile.add_argument("--max-depth", type=int, default=None)
     profile.add_argument("--step", type=int, default=None, help="one step; default: the mean over steps")
-    profile.add_argument("--min-micros", type=int, default=None)
-    profile.add_argument("--min-bytes", type=int, default=None)
-    profile.add_argument("--show", action="append", default=None, help="show only names matching (repeatable)")
-    profile.add_argument("--hide", action="append", default=None, help="hide names matching (repeatable)")
-    profile.add_argument("--account-types", action="append", default=None, help="account only these op types")
-    profile.add_argument("--output", default=None, help="stdout, file:outfile=PATH, timeline:outfile=PATH")
+    _add_view_options(profile, "name, micros, bytes, params, occurrence, ...", "comma-separated columns, e.g. "
+                      "micros,bytes", "stdout, file:outfile=PATH, timeline:outfile=PATH")
+
+    diff = commands.add_parser("diff", help="what changed between two traced steps: op types, modules and code "
+                               "lines ranked by the change, and the ops that ran in only one")
+    diff.add_argument("inputs", nargs="+", help="two timelines (a step each), or a .prof file and --steps A B "
+                      "(two .prof files: A of the first, B of the second)")
+    diff.add_argument("--steps", nargs=2, type=int, default=None, metavar=("A", "B"), help="the steps to compare")
+    _add_view_options(diff, "the figure ranked by: micros (default), bytes, cpu_micros, ..., or name",
+                      "comma-separated figures (default micros,bytes)", "stdout, file:outfile=PATH")
 
     advise = commands.add_parser("advise", help="the advisor's ranked reports for a saved profile or timelines")
     advise.add_argument("inputs", nargs="+")
@@ -50,6 +52,28 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # `hookprof profile ... | head`: the reader left, which is no error of ours
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
+
+
+def _add_view_options(parser: argparse.ArgumentParser, order_by: str, select: str, output: str) -> None:
+    """The view options `profile` and `diff` share (ProfileOptionBuilder's, as flags); see `_view_options`."""
+    parser.add_argument("--order-by", default=None, help=order_by)
+    parser.add_argument("--select", default=None, help=select)
+    parser.add_argument("--min-micros", type=int, default=None)
+    parser.add_argument("--min-bytes", type=int, default=None)
+    parser.add_argument("--show", action="append", default=None, help="show only names matching (repeatable)")
+    parser.add_argument("--hide", action="append", default=None, help="hide names matching (repeatable)")
+    parser.add_argument("--account-types", action="append", default=None, help="account only these op types")
+    parser.add_argument("--output", default=None, help=output)
+
+
+def _view_options(args: argparse.Namespace) -> dict:
+    """The option dict of the flags given (those left out take the view's defaults)."""
+    return {key: value for key, value in (
+        ("order_by", args.order_by), ("max_depth", getattr(args, "max_depth", None)),
+        ("step", getattr(args, "step", None)), ("min_micros", args.min_micros), ("min_bytes", args.min_bytes),
+        ("show_name_regexes", args.show), ("hide_name_regexes", args.hide),
+        ("account_type_regexes", args.account_types), ("output", args.output),
+        ("select", args.select.split(",") if args.select else None)) if value is not None}
 
 
 class CommandError(Exception):
@@ -93,14 +117,9 @@ def _profile_or_advise(args: argparse.Namespace) -> int:
         if args.command == "profile":
             steps = profiler.data.steps
             if args.step is not None and args.step >= 0 and args.step not in steps:
-                traced = ", ".join(str(step) for step in sorted(steps)) or "none"
-                raise CommandError(f"--step {args.step}: step {args.step} was not traced (traced steps: {traced})")
-            options = {key: value for key, value in (
-                ("order_by", args.order_by), ("max_depth", args.max_depth), ("step", args.step),
-                ("min_micros", args.min_micros), ("min_bytes", args.min_bytes),
-                ("show_name_regexes", args.show), ("hide_name_regexes", args.hide),
-                ("account_type_regexes", args.account_types), ("output", args.output),
-                ("select", args.select.split(",") if args.select else None)) if value is not None}
+                raise CommandError(f"--step {args.step}: step {args.step} was not traced (traced steps: "
+                                   f"{_traced(profiler)})")
+            options = _view_options(args)
             if "select" not in options:
                 untimed_scopes = args.view == "scope" and not steps
                 options["select"] = ["params"] if untimed_scopes else ["micros", "bytes"]
@@ -110,16 +129,55 @@ def _profile_or_advise(args: argparse.Namespace) -> int:
     except BrokenPipeError:
         raise
     except OSError as err:  # the inputs are read: an OSError is writing --output's file
-        from hookprof.profiler.options import parse_output
-
-        target = parse_output(args.output)[1] if args.output else None
-        raise CommandError(f"cannot write {target or 'stdout'}: {err.strerror or err}") from None
+        raise _write_error(args, err) from None
     except (ValueError, TypeError) as err:
         raise CommandError(str(err)) from None
     return 0
 
 
-_COMMANDS = {"merge": _merge, "summary": _summary, "profile": _profile_or_advise, "advise": _profile_or_advise}
+def _write_error(args: argparse.Namespace, err: OSError) -> CommandError:
+    from hookprof.profiler.options import parse_output
+
+    target = parse_output(args.output)[1] if args.output else None
+    return CommandError(f"cannot write {target or 'stdout'}: {err.strerror or err}")
+
+
+def _diff(args: argparse.Namespace) -> int:
+    """Step A of the first input against step B of the last: two timelines (their steps), or one saved profile
+    and --steps A B."""
+    if len(args.inputs) > 2:
+        raise CommandError(f"give two timelines, or a saved profile and --steps A B (got {len(args.inputs)} files)")
+    profilers = [load_profiler([path]) for path in args.inputs]
+    ends = ((profilers[0], args.inputs[0]), (profilers[-1], args.inputs[-1]))
+    if args.steps is not None:
+        for (profiler, path), step in zip(ends, args.steps):
+            if step not in profiler.data.steps:
+                raise CommandError(f"--steps {args.steps[0]} {args.steps[1]}: step {step} was not traced in {path} "
+                                   f"(traced steps: {_traced(profiler)})")
+        step_a, step_b = args.steps
+    else:
+        for profiler, path in ends:
+            if len(profiler.data.steps) != 1 or len(args.inputs) == 1:
+                raise CommandError(f"{path}: holds traced steps {_traced(profiler)}; name the two to compare with "
+                                   "--steps A B")
+        step_a, step_b = (next(iter(profiler.data.steps)) for profiler, _ in ends)
+    try:
+        profilers[0].diff(step_a, step_b, _view_options(args), other=profilers[-1])
+    except BrokenPipeError:
+        raise
+    except OSError as err:
+        raise _write_error(args, err) from None
+    except (ValueError, TypeError) as err:
+        raise CommandError(str(err)) from None
+    return 0
+
+
+def _traced(profiler) -> str:
+    return ", ".join(str(step) for step in sorted(profiler.data.steps)) or "none"
+
+
+_COMMANDS = {"merge": _merge, "summary": _summary, "profile": _profile_or_advise, "advise": _profile_or_advise,
+             "diff": _diff}
 VIEWS = {"scope": "profile_name_scope", "graph": "profile_graph", "op": "profile_operations", "code": "profile_python"}
 
 

@@ -95,7 +95,7 @@ BAD_INPUTS = {
 }
 
 
-@pytest.mark.parametrize("command", ["summary", "merge", "profile", "advise"])
+@pytest.mark.parametrize("command", ["summary", "merge", "profile", "advise", "diff"])
 @pytest.mark.parametrize("case", list(BAD_INPUTS))
 def test_a_bad_input_is_one_line_naming_the_file_and_the_problem(work, command, case):
     name, problem = BAD_INPUTS[case]
@@ -110,7 +110,7 @@ def test_a_bad_input_is_one_line_naming_the_file_and_the_problem(work, command, 
     assert not (work / "merged.json").exists()
 
 
-@pytest.mark.parametrize("command", ["merge", "profile", "advise"])
+@pytest.mark.parametrize("command", ["merge", "profile", "advise", "diff"])
 def test_a_bad_input_among_good_ones_is_named(work, command):
     args = ["-o", "merged.json"] if command == "merge" else []
     done = hookprof(command, *args, GOOD[0], "cut.json.gz", cwd=work)
@@ -229,6 +229,21 @@ def test_saved_profiles_missing_broken_and_an_untraced_step(work, saved_profile)
     done = hookprof("profile", "--step", "3", saved_profile, cwd=work)
     assert done.returncode == 0 and done.stderr == "", done.stderr
     assert done.stdout == hookprof("profile", "--step", "3", *GOOD, cwd=work).stdout
+
+
+def test_diff_of_a_saved_profile_names_a_missing_or_untraced_step(work, saved_profile):
+    assert_fails_with(hookprof("diff", saved_profile, cwd=work), f"hookprof diff: {saved_profile}: holds traced "
+                      "steps 2, 3; name the two to compare with --steps A B")
+    assert_fails_with(hookprof("diff", saved_profile, "--steps", "2", "9", cwd=work),
+                      f"hookprof diff: --steps 2 9: step 9 was not traced in {saved_profile} (traced steps: 2, 3)")
+    assert_fails_with(hookprof("diff", *GOOD, GOOD[0], cwd=work),
+                      "hookprof diff: give two timelines, or a saved profile and --steps A B (got 3 files)")
+    assert_fails_with(hookprof("diff", *GOOD, "--order-by", "params", cwd=work), re.compile(
+        r"hookprof diff: diff: option 'order_by' must be 'name' or a figure of a step \[.+\], got 'params'\."))
+    done = hookprof("diff", saved_profile, "--steps", "2", "3", cwd=work)
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    assert done.stdout == hookprof("diff", *GOOD, cwd=work).stdout
+    assert done.stdout.startswith("step 2 -> step 3, ranked by the change in total execution time\n")
 
 
 def test_profile_output_to_an_unwritable_path_names_it(work):

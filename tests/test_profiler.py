@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from hookprof.profiler import ProfileFormatError, Profiler
 from hookprof.profiler import ProfileOptionBuilder as B
-from hookprof.profiler.profile_data import OUTPUT
+from hookprof.profiler.profile_data import BYTES, OUTPUT
 from hookprof.profiler.serialize import MAGIC
 from hookprof.trace.reader import load_trace
 from lightning_prof import ProfilerHook
@@ -593,6 +593,42 @@ def test_malformed_and_hostile_files_are_refused(run):
         assert "profile" in str(info.value), label
     with pytest.raises(ProfileFormatError, match="over the limit"):
         Profiler.load(good, max_bytes=10)
+
+
+def test_bytes_in_use_at_each_steps_end_are_saved_and_older_files_load_without_them(run):
+    import orjson
+
+    prof, paths = run
+    allocated = {step: summary.allocated for step, summary in prof.data.steps.items()}
+    # what the allocator reported last in each traced step (the hook wrote it to the timeline too)
+    for path in paths:
+        trace = load_trace(path)
+        counters = [e for e in trace["traceEvents"] if e.get("ph") == "C" and e.get("cat") == "Memory"]
+        last = [e for e in counters if e["ts"] == max(c["ts"] for c in counters)][-1]
+        assert allocated[trace["metadata"]["step"]] == {"/host:CPU": float(last["args"]["allocated"])}
+    assert Profiler.load(prof.serialize_to_string()).data.steps[4].allocated == allocated[4]
+
+    # an op runs on the host; the memory it allocated is where its tensors live (here the host too)
+    made = [n for n in prof.data.nodes.values() if any(f[BYTES] for f in n.steps.values())]
+    assert made and {n.memory_device for n in made} == {"/host:CPU"}
+
+    def repacked(edit, part="steps"):
+        blob = prof.serialize_to_string()
+        doc = orjson.loads(zlib.decompress(blob[len(MAGIC) + 12:]))
+        for entry in doc[part]:
+            edit(entry)
+        payload = orjson.dumps(doc)
+        return MAGIC + struct.pack("<IQ", 1, len(payload)) + zlib.compress(payload)
+
+    older = Profiler.load(repacked(lambda step: step.pop("allocated")))
+    assert all(summary.allocated == {} for summary in older.data.steps.values())
+    assert older.advise({"MemoryGrowthChecker": {}})["MemoryGrowthChecker"]["reports"] == []
+    older = Profiler.load(repacked(lambda node: node.pop("memory_device"), "nodes"))
+    assert {n.memory_device for n in older.data.nodes.values()} == {""}
+    with pytest.raises(ProfileFormatError, match="'allocated' must map devices to numbers"):
+        Profiler.load(repacked(lambda step: step.update(allocated={"/host:CPU": "lots"})))
+    with pytest.raises(ProfileFormatError, match="'memory_device' must be a string"):
+        Profiler.load(repacked(lambda node: node.update(memory_device=7), "nodes"))
 
 
 def test_adding_the_same_step_twice_accumulates_and_op_log_adds_types():

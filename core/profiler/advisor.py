@@ -23,6 +23,11 @@ What each checker counts as a cause, and why:
   per module, with the optimizer's updates of that module's float64 parameters; layout copies
   (`aten::contiguous`) of 4 MiB and more per step; per-tensor optimizer updates on an accelerator.
 - JobChecker: a rank 20% slower than the fastest; communication taking 20% of the step and more.
+- MemoryGrowthChecker: an op (at its module and code line) whose data made in every traced step is still
+  allocated at the step's end, 16 KiB a step and more, over 3 traced steps and more; gradients and optimizer
+  state are kept by design. Where the allocator's totals show every free (CUDA), they must rise too; on the
+  host torch's totals cannot show it (see `memory_growth`). Its severity: what the cause kept over the traced
+  steps' span against one step's allocations.
 """
 
 from __future__ import annotations
@@ -33,7 +38,17 @@ import statistics
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from hookprof.profiler.profile_data import ACCEL, BYTES, COUNT, CPU, MICROS, OUTPUT, NodeData, ProfileData
+from hookprof.profiler.profile_data import (
+    ACCEL,
+    BYTES,
+    COUNT,
+    CPU,
+    MICROS,
+    OUTPUT,
+    RESIDUAL,
+    NodeData,
+    ProfileData,
+)
 from hookprof.profiler.views import format_memory, format_time
 
 # --- thresholds: below them a figure is what a healthy step looks like ------------------------------------
@@ -47,6 +62,11 @@ LARGE_COPY_BYTES = 4 << 20
 UNFUSED_MIN_OPS = 8
 STRAGGLER_SPREAD = 0.2
 COMMUNICATION_SHARE = 0.2
+MEMORY_GROWTH_MIN_STEPS = 3  # over fewer traced steps there is no trend (a first step makes state once)
+MEMORY_GROWTH_MIN_BYTES = 16 << 10  # kept per step; below it (logged scalars, a loss) no run fills a device
+# what outlives each step by design: gradients (backward) and the optimizer's state (see memory_growth)
+_KEPT_BY_DESIGN = frozenset({"backward", "optimizer"})
+_HOST_DEVICE = "/host:"  # the host's device names (/host:CPU), whose allocator totals cannot show growth
 
 # Ops that read a tensor's value into Python (`.item()`, `float(t)`, `if t:`); each read runs
 # `_local_scalar_dense` once, nested in `item` (itself nested in `is_nonzero` for `if t:`).
@@ -154,6 +174,19 @@ def _main_line(nodes: list[NodeData]) -> str | None:
         if by_line:
             return max(by_line, key=by_line.get)
     return None
+
+
+def op_code_lines(profile: ProfileData) -> dict[str, str | None]:
+    """Each op's code line, by node name: the innermost frame of the user's own code in its stack. A backward
+    op's stack is the code that called `backward()`, so it takes the line of its module's forward (the line
+    where most of the module's forward time was spent), where the module ran forward ops."""
+    forward: dict[str, list[NodeData]] = {}
+    for node in profile.nodes.values():
+        if node.steps and node.phase != "backward":
+            forward.setdefault(node.scope, []).append(node)
+    lines = {scope: _main_line(nodes) for scope, nodes in forward.items()}
+    return {node.name: (lines.get(node.scope) if node.phase == "backward" else None) or user_code_line(node.stack)
+            for node in profile.nodes.values() if node.steps}
 
 
 # --- the checkers -------------------------------------------------------------------------------------------
@@ -427,6 +460,70 @@ def job_checks(profile: ProfileData) -> list[dict[str, Any]]:
     return findings
 
 
+def memory_growth(profile: ProfileData) -> list[dict[str, Any]]:
+    """Data made in every traced step that is still allocated at the step's end: per cause (the op, its module
+    and code line), the bytes it keeps per step, and where the allocator's totals can show it, their rise.
+
+    Gradients (made in backward, freed at the next zero_grad or accumulated into in place) and the optimizer's
+    state (made once, then updated in place) outlive each step by design and are not counted. Growth needs
+    `MEMORY_GROWTH_MIN_STEPS` traced steps recorded with memory (a Profiler attached does that), and the cause
+    must keep its data in every one of them. On a device whose allocator totals include every free (CUDA's
+    caching allocator), the bytes in use at the end of the traced steps must also rise, step after step, so
+    data replaced each step (a cached activation, an RNN's carried state) is no growth there. torch's host
+    allocator reports only the blocks made while a trace runs, and no later free of them: its totals rise by
+    every traced step's survivors, leak or not (a healthy two-layer model: +652 B per traced step), so on the
+    host the data a step keeps is the evidence (data a module replaces each step is named there too).
+    """
+    steps = sorted(s.step for s in profile.steps.values() if s.allocated)
+    if len(steps) < MEMORY_GROWTH_MIN_STEPS:
+        return []
+    lines = op_code_lines(profile)
+    causes: dict[tuple[str, str, str, str | None], dict[int, float]] = {}
+    for node in profile.nodes.values():
+        if node.phase in _KEPT_BY_DESIGN:
+            continue
+        for step in steps:
+            kept = node.steps[step][RESIDUAL] if step in node.steps else 0.0
+            if kept:
+                where = (node.memory_device or node.device, node.scope, node.op, lines.get(node.name))
+                per_step = causes.setdefault(where, {})
+                per_step[step] = per_step.get(step, 0.0) + kept
+    span = steps[-1] - steps[0]
+    requested = statistics.mean(sum(n.steps[s][BYTES] for n in profile.nodes.values() if s in n.steps)
+                                for s in steps) or 1.0
+    findings = []
+    for (device, scope, op, line), per_step in causes.items():
+        kept = min(per_step.values())
+        if len(per_step) < len(steps) or kept < MEMORY_GROWTH_MIN_BYTES:
+            continue
+        rise = _allocated_rise(profile, steps, device)
+        if rise is not None and rise < MEMORY_GROWTH_MIN_BYTES:
+            continue  # the allocator's totals hold steady: the data is replaced, not accumulated
+        measured = f"; bytes in use on {device} rose {format_memory(rise)} per step" if rise is not None else ""
+        findings.append({
+            "severity": min(1.0, kept * span / requested),
+            "evidence": {"scope": scope, "op": op, "code_line": line, "device": device, "bytes_per_step": kept,
+                         "kept_bytes": per_step, "allocated_rise_per_step": rise, "steps": steps},
+            "report": f"Memory growth: {op} in {_where(scope, line)} makes {format_memory(kept)} per step that "
+                      f"is still allocated at the step's end, in each of the {len(steps)} traced steps (steps "
+                      f"{steps[0]}-{steps[-1]}): {format_memory(kept * span)} more held at step {steps[-1]} than "
+                      f"at step {steps[0]}{measured}. Something keeps each step's tensors (a list or dict that "
+                      "grows); keep .item() values, or drop what you keep.",
+        })
+    return findings
+
+
+def _allocated_rise(profile: ProfileData, steps: list[int], device: str) -> float | None:
+    """The rise per step of the bytes in use on `device` at the end of the traced steps (0 unless they rise
+    from each traced step to the next); None on the host, whose totals cannot show it (see memory_growth)."""
+    if device.startswith(_HOST_DEVICE):
+        return None
+    ends = [profile.steps[step].allocated.get(device) for step in steps]
+    if None in ends or not all(later > earlier for earlier, later in zip(ends, ends[1:])):
+        return 0.0
+    return (ends[-1] - ends[0]) / (steps[-1] - steps[0])
+
+
 CHECKERS: dict[str, Callable[[ProfileData], list[dict[str, Any]]]] = {
     "ExpensiveOperationChecker": expensive_operations,
     "AcceleratorUtilizationChecker": accelerator_utilization,
@@ -434,6 +531,7 @@ CHECKERS: dict[str, Callable[[ProfileData], list[dict[str, Any]]]] = {
     "HostSyncChecker": host_syncs,
     "OperationChecker": operation_checks,
     "JobChecker": job_checks,
+    "MemoryGrowthChecker": memory_growth,
 }
 ALL_ADVICE: dict[str, dict] = {name: {} for name in CHECKERS}
 

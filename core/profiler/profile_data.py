@@ -26,7 +26,8 @@ N_FIGURES = 9
 
 @dataclasses.dataclass
 class NodeData:
-    """One node across steps. `steps` maps a step to its figures (see the positions above)."""
+    """One node across steps. `steps` maps a step to its figures (see the positions above); `memory_device` is
+    the device of the memory it allocated (`/device:CUDA:0` for an op run on the host), if it allocated any."""
 
     name: str
     op: str
@@ -40,6 +41,7 @@ class NodeData:
     stack: list[str] = dataclasses.field(default_factory=list)
     params: int = 0
     steps: dict[int, list[float]] = dataclasses.field(default_factory=dict)
+    memory_device: str = ""  # where its allocations live (ops run on the host, their tensors may not)
 
     def figures(self, step: int) -> list[float]:
         """Figures at `step`, or (step -1) the mean over the steps this node ran in; parameters have no steps."""
@@ -53,7 +55,9 @@ class NodeData:
 
 @dataclasses.dataclass
 class StepSummary:
-    """Per traced step, for the advisor: its span, data wait, op busy time and what traced it."""
+    """Per traced step, for the advisor: its span, data wait, op busy time, what traced it, and per device the
+    allocator's bytes in use at its end (`allocated`: after the step's last allocation or free; empty where
+    the step was traced without memory)."""
 
     step: int
     step_micros: float = 0.0
@@ -62,6 +66,7 @@ class StepSummary:
     gaps: list[tuple[float, float]] = dataclasses.field(default_factory=list)  # (start offset, length) us
     rank: int = 0
     accelerator_busy: dict[str, float] = dataclasses.field(default_factory=dict)
+    allocated: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 class ProfileData:
@@ -97,8 +102,10 @@ class ProfileData:
         device_of = {id(n): dev.device for dev in stats.dev_stats for n in dev.node_stats}
         accelerator = _accelerator_micros(stats)
         allocated: dict[int, list[int]] = {}
+        memory_device: dict[int, str] = {}
         for alloc in stats.allocations:
             if alloc.producer is not None:
+                memory_device[id(alloc.producer)] = alloc.device
                 entry = allocated.setdefault(id(alloc.producer), [0, 0])
                 entry[0] += alloc.nbytes
                 if alloc.free_ns is None:
@@ -117,6 +124,7 @@ class ProfileData:
             for source in producers.get(id(node), ()):
                 if source not in data.inputs:
                     data.inputs.append(source)
+            data.memory_device = memory_device.get(id(node), data.memory_device)
             figures = data.steps.setdefault(step, [0.0] * N_FIGURES)
             cpu = exclusive.get(id(node), 0.0)
             accel = accelerator.get(id(node), 0.0)
@@ -240,4 +248,9 @@ def _step_summary(step: int, stats: StepStats, ops: list[NodeExecStats], previou
         kernel_time = sum(n.duration_ns for n in dev.node_stats if n.category == fmt.CAT_KERNEL)
         if kernel_time:
             summary.accelerator_busy[dev.device] = summary.accelerator_busy.get(dev.device, 0.0) + kernel_time / 1000
+    last: dict[str, tuple[int, int]] = {}  # device -> (time, bytes in use) of its last allocator sample
+    for sample in stats.memory_samples:
+        if sample.ts_ns >= last.get(sample.device, (-1, 0))[0]:
+            last[sample.device] = (sample.ts_ns, sample.total_allocated)
+    summary.allocated.update({device: float(nbytes) for device, (_, nbytes) in last.items()})
     return summary

@@ -5,6 +5,7 @@
     trainer.fit(model, loader)
     prof.profile_name_scope(ProfileOptionBuilder.trainable_variables_parameter())
     prof.profile_operations(ProfileOptionBuilder.time_and_memory())
+    prof.diff(100, 200)
     prof.advise()
     open("run.prof", "wb").write(prof.serialize_to_string())
 """
@@ -14,7 +15,7 @@ from __future__ import annotations
 import collections
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hookprof._runtime.atomic_file import atomic_write
 from hookprof._runtime.background import BackgroundJob
@@ -24,6 +25,9 @@ from hookprof.profiler.options import check_options
 from hookprof.profiler.profile_data import ProfileData
 from hookprof.step_stats import StepStats
 from hookprof.trace import format as fmt
+
+if TYPE_CHECKING:
+    from hookprof.profiler.diff import DiffResult
 
 KEEP_STEP_STATS = 3  # the last traced steps kept whole, for timeline output
 
@@ -146,6 +150,27 @@ class Profiler:
             kept.dev_stats.append(DeviceStepStats(dev.device, [
                 n for n in dev.node_stats if n.category != fmt.CAT_OP or n.node_name in shown], dict(dev.thread_names)))
         ChromeTraceWriter(show_dataflow=True).write(kept, os.path.abspath(path))
+
+    def diff(self, step_a: int, step_b: int, options: dict[str, Any] | None = None,
+             other: Profiler | None = None) -> DiffResult:
+        """What changed from traced step `step_a` to `step_b` (of `other`, another run's Profiler, if given):
+        op types, modules and code lines ranked by the change in time (`order_by`), and the ops that ran in only
+        one of the steps, each with both steps' figures. Prints the text (`output`) and returns the rows; the
+        options are the views' (see hookprof.profiler.diff for what each means in a diff)."""
+        from hookprof.profiler.diff import check_diff_options, check_step, diff
+
+        opts = check_diff_options(options)
+        if other is not None and not isinstance(other, Profiler):
+            raise TypeError(f"diff(other=...) must be a Profiler (another run's), got {type(other).__name__}.")
+        self._settle()
+        against = self if other is None else other
+        against._settle()
+        check_step(self._data, step_a, "step_a")
+        check_step(against._data, step_b, "step_b")
+        with paused_gc():
+            result = diff(self._data, step_a, against._data, step_b, opts)
+        self._emit(result.text, opts, set(), "diff")
+        return result
 
     # --- advice and persistence ---------------------------------------------------------------------------
 

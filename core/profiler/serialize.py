@@ -5,14 +5,15 @@ length of the uncompressed payload, then the payload compressed with zlib. The p
 
     {"format": "hookprof.profile", "version": 1,
      "nodes": [{"name", "op", "scope", "device", "phase", "op_types", "input_shapes", "input_dtypes",
-                "inputs", "stack", "params", "steps": {"<step>": [9 figures]}}],
+                "inputs", "stack", "params", "memory_device", "steps": {"<step>": [9 figures]}}],
      "steps": [{"step", "step_micros", "data_wait_micros", "busy_micros", "gaps", "rank",
-                "accelerator_busy"}]}
+                "accelerator_busy", "allocated"}]}
 
 The 9 figures per step are: run count, micros, cpu micros, accelerator micros, requested bytes, peak bytes,
-residual bytes, output bytes, float ops. Loading checks the magic, the version, the declared size against a
-limit before inflating anything (and inflates no more than declared), and every field's type; no pickle, so a
-hostile file can at worst be refused.
+residual bytes, output bytes, float ops. A node's `memory_device` and a step's `allocated` (per device, the
+bytes in use at its end) came after the first files of version 1, which load without them. Loading checks the
+magic, the version, the declared size against a limit before inflating anything (and inflates no more than
+declared), and every field's type; no pickle, so a hostile file can at worst be refused.
 """
 
 from __future__ import annotations
@@ -42,13 +43,13 @@ def dumps(data: ProfileData) -> bytes:
         "nodes": [{
             "name": n.name, "op": n.op, "scope": n.scope, "device": n.device, "phase": n.phase,
             "op_types": n.op_types, "input_shapes": n.input_shapes, "input_dtypes": n.input_dtypes,
-            "inputs": n.inputs, "stack": n.stack, "params": n.params,
+            "inputs": n.inputs, "stack": n.stack, "params": n.params, "memory_device": n.memory_device,
             "steps": {str(step): figures for step, figures in n.steps.items()},
         } for n in data.nodes.values()],
         "steps": [{
             "step": s.step, "step_micros": s.step_micros, "data_wait_micros": s.data_wait_micros,
             "busy_micros": s.busy_micros, "gaps": [list(g) for g in s.gaps], "rank": s.rank,
-            "accelerator_busy": s.accelerator_busy,
+            "accelerator_busy": s.accelerator_busy, "allocated": s.allocated,
         } for s in data.steps.values()],
     }
     payload = orjson.dumps(doc)
@@ -111,10 +112,12 @@ def _from_doc(doc: Any) -> ProfileData:
             _check(_str_list(raw.get(key)), f"node {i}: {key!r} must be a list of strings")
         _check(isinstance(raw.get("input_shapes"), list), f"node {i}: 'input_shapes' must be a list")
         _check(isinstance(raw.get("params"), int) and raw["params"] >= 0, f"node {i}: 'params' must be an int >= 0")
+        _check(isinstance(raw.get("memory_device", ""), str), f"node {i}: 'memory_device' must be a string")
         per_step = raw.get("steps")
         _check(isinstance(per_step, dict), f"node {i}: 'steps' must be an object")
         node = NodeData(raw["name"], raw["op"], raw["scope"], raw["device"], raw["phase"], raw["op_types"],
-                        raw["input_shapes"], raw["input_dtypes"], raw["inputs"], raw["stack"], raw["params"])
+                        raw["input_shapes"], raw["input_dtypes"], raw["inputs"], raw["stack"], raw["params"],
+                        memory_device=raw.get("memory_device", ""))
         for step, figures in per_step.items():
             _check(step.isdigit(), f"node {i}: step {step!r} is not a step number")
             _check(isinstance(figures, list) and len(figures) == N_FIGURES and all(map(_number, figures)),
@@ -133,6 +136,10 @@ def _from_doc(doc: Any) -> ProfileData:
         _check(isinstance(busy, dict) and all(isinstance(k, str) and _number(v) for k, v in busy.items()),
                f"step entry {i}: 'accelerator_busy' must map devices to numbers")
         _check(isinstance(raw.get("rank"), int), f"step entry {i}: 'rank' must be an int")
+        allocated = raw.get("allocated", {})
+        _check(isinstance(allocated, dict) and all(isinstance(k, str) and _number(v) for k, v in allocated.items()),
+               f"step entry {i}: 'allocated' must map devices to numbers")
         data.steps[raw["step"]] = StepSummary(raw["step"], raw["step_micros"], raw["data_wait_micros"],
-                                              raw["busy_micros"], [tuple(g) for g in gaps], raw["rank"], busy)
+                                              raw["busy_micros"], [tuple(g) for g in gaps], raw["rank"], busy,
+                                              {k: float(v) for k, v in allocated.items()})
     return data

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from hookprof.profiler.profile_data import (
@@ -496,27 +496,8 @@ def op_view(profile: ProfileData, options: dict[str, Any]) -> OpViewResult:
 
     Rows sort by `order_by`; a row's accumulated figure is its own plus the rows after it, over every accounted
     row (over the displayed ones only with `account_displayed_op_only`), its percentages are of the first's."""
-    rows: dict[str, MultiGraphNode] = {}
-    members: dict[str, list[NodeData]] = {}
     step = options["step"]
-    for data in profile.nodes.values():
-        if not _included(data, step) or not _accounted(data.op_types, options):
-            continue
-        figures = data.figures(step)
-        for op_type in data.op_types:
-            if not _accounted([op_type], options):
-                continue
-            row = rows.get(op_type)
-            if row is None:
-                row = rows[op_type] = MultiGraphNode(op_type, dict.fromkeys(ATTRS, 0.0), [], 0)
-                members[op_type] = []
-            for attr, index in FIGURES.items():
-                row.self_[attr] += figures[index]
-            row.self_["params"] += data.params
-            row.self_["definitions"] += 1
-            row.nodes.append(data.name)
-            row.defined += 1
-            members[op_type].append(data)
+    rows, members = group_rows(profile, options, lambda data: [t for t in data.op_types if _accounted([t], options)])
     for name, row in rows.items():
         row.op_types = sorted({t for data in members[name] for t in data.op_types})
         row.devices = sorted({data.device for data in members[name] if data.device})
@@ -537,6 +518,32 @@ def op_view(profile: ProfileData, options: dict[str, Any]) -> OpViewResult:
     lines = [legend(options["select"], multi=True) + "\n"]
     lines.extend(_op_row(row, accumulated[id(row)], root, selected) for row in shown)
     return OpViewResult(shown, "".join(lines))
+
+
+def group_rows(profile: ProfileData, options: dict[str, Any], keys: Callable[[NodeData], Iterable[str]]
+               ) -> tuple[dict[str, MultiGraphNode], dict[str, list[NodeData]]]:
+    """The accounted nodes at `options["step"]` summed into one row per key of `keys(node)` (the op view: a
+    node counts in the row of each of its accounted op types), with the nodes of each row."""
+    rows: dict[str, MultiGraphNode] = {}
+    members: dict[str, list[NodeData]] = {}
+    step = options["step"]
+    for data in profile.nodes.values():
+        if not _included(data, step) or not _accounted(data.op_types, options):
+            continue
+        figures = data.figures(step)
+        for key in keys(data):
+            row = rows.get(key)
+            if row is None:
+                row = rows[key] = MultiGraphNode(key, dict.fromkeys(ATTRS, 0.0), [], 0)
+                members[key] = []
+            for attr, index in FIGURES.items():
+                row.self_[attr] += figures[index]
+            row.self_["params"] += data.params
+            row.self_["definitions"] += 1
+            row.nodes.append(data.name)
+            row.defined += 1
+            members[key].append(data)
+    return rows, members
 
 
 def _input_types(nodes: list[NodeData], step: int) -> list[tuple[list, float, int, float]]:
