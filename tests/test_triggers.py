@@ -42,7 +42,12 @@ class Planted(L.LightningModule):
         loss = torch.nn.functional.mse_loss(out, y)
         if here and self.problem == "nan":
             loss = loss * float("nan")
+        if here and self.problem == "spike":
+            loss = loss * 50  # one bad batch: its gradient is clipped away below, so training goes on as before
         return loss
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        self.clip_gradients(optimizer, gradient_clip_val=1.0, gradient_clip_algorithm="norm")
 
     def configure_optimizers(self):
         return torch.optim.Adam(self.parameters(), lr=1e-3)
@@ -100,6 +105,16 @@ def test_a_nan_loss_fires_non_finite_once_within_the_cooldown(tmp_path):
     assert hook.hook.fired == {"non_finite": 1}
     for path in hook.saved_paths:
         assert metadata(path)["metadata"][fmt.TRIGGER] == {"kind": "non_finite", "step": 12, "detail": "loss = nan"}
+
+
+def test_a_loss_spike_fires_loss_spike(tmp_path):
+    from lightning_prof import ProfilerHook
+
+    hook = ProfilerHook(triggers=[LossSpike(window=40)], output_dir=str(tmp_path), tensorboard=False)
+    fit_lightning(tmp_path, hook, 50, Planted(at=35, problem="spike"))
+    assert [os.path.basename(p) for p in hook.saved_paths] == ["timeline-36.json"]
+    trigger = metadata(hook.saved_paths[0])["metadata"][fmt.TRIGGER]
+    assert trigger["kind"] == "loss_spike" and trigger["step"] == 35 and trigger["detail"].startswith("loss ")
 
 
 def test_kept_activations_fire_memory_jump(tmp_path):
