@@ -46,10 +46,15 @@ def to_numpy(value: Any) -> np.ndarray:
         return value.numpy()
     if hasattr(value, "numpy") and not isinstance(value, np.ndarray):  # tf / keras-on-tf
         try:
-            return np.asarray(value.numpy())
+            return _no_bfloat16(np.asarray(value.numpy()))
         except (TypeError, ValueError, AttributeError):
             pass
-    return np.asarray(value)
+    return _no_bfloat16(np.asarray(value))
+
+
+def _no_bfloat16(array: np.ndarray) -> np.ndarray:
+    """bfloat16 (JAX's and TF's, an ml_dtypes type numpy cannot summarise) as float32; anything else as is."""
+    return array.astype(np.float32) if array.dtype.name == "bfloat16" else array
 
 
 class SummaryOp:

@@ -1,4 +1,5 @@
-"""hookprof for Keras 3: TF1's session hooks as `keras.callbacks.Callback`s (op-level traces with KERAS_BACKEND=torch).
+"""hookprof for Keras 3: TF1's session hooks as `keras.callbacks.Callback`s (op-level traces on the torch and
+JAX backends).
 
 A Keras user imports everything from here: the callbacks, and hookprof's hook contract, summaries and
 Profiler (the same objects as in `hookprof`).

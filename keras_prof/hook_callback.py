@@ -10,8 +10,8 @@ keeps the step's batch and, when a step raises, stops a running trace and closes
 model's own function is put back when the fit ends or fails.
 `run_context.session` is a `KerasSession`: `.model`, `.global_step` (`optimizer.iterations`), `.run(fetches)`;
 a fetch name looks up the step's logs (`"loss"`, metrics); `request_stop()` sets `model.stop_training`.
-With the torch backend steps are traced with torch.profiler; other backends get the host tracer
-(phase spans only) and one warning.
+With the torch backend steps are traced with torch.profiler, with the JAX backend with JAX's profiler (XLA
+ops); other backends get the host tracer (phase spans only) and one warning.
 """
 
 from __future__ import annotations
@@ -144,15 +144,35 @@ class _Fit:
 _GATHERING: dict[int, _Fit] = {}  # id(token) -> a fit whose members are joining (before its first batch)
 
 
+def _finished_step(session: KerasSession, logs: dict | None, batch_data: Any, batch: int) -> StepState:
+    """The finished step, built when a hook or summary reads it. On the JAX backend the weights live outside
+    the model during `fit`: they are synced into it first, so `step.model`'s weights are this step's."""
+    model = session.model
+    sync = getattr(model, "jax_state_sync", None)
+    if sync is not None:
+        sync()
+    return StepState(session.global_step, logs, batch_data, batch, model, logs, session)
+
+
 def tracer_factory(model: keras.Model) -> TracerFactory:
-    """torch.profiler on the torch backend; elsewhere the host tracer, with one warning per process."""
+    """torch.profiler on the torch backend, JAX's profiler on the JAX backend; elsewhere (or on a JAX that
+    lacks what the JAX tracer needs) the host tracer, with one warning per process naming what is missing."""
     backend = keras.backend.backend()
     if backend == "torch":
         from hookprof.tracing.torch_tracer import TorchTracer
 
         return lambda: TorchTracer(model)
+    if backend == "jax":
+        from hookprof.tracing.jax_tracer import JaxTracer, missing_support
+
+        missing = missing_support()
+        if missing is None:
+            return lambda: JaxTracer(model)
+        _warn_once("backend", "keras_prof: the Keras backend is 'jax' but this JAX lacks %s, so traced steps "
+                   "show only their phases (host tracer).", missing)
+        return HostTracer
     _warn_once("backend", "keras_prof: the Keras backend is %r, so traced steps show only their phases (host "
-               "tracer). Set KERAS_BACKEND=torch before importing keras for op-level timelines.", backend)
+               "tracer). Set KERAS_BACKEND=torch or jax before importing keras for op-level timelines.", backend)
     return HostTracer
 
 
@@ -206,10 +226,7 @@ class HookCallback(keras.callbacks.Callback):
         session.steps_done += 1
         watch = self._fit.watch
         try:
-            stop = self._driver.after_run(
-                lambda: StepState(session.global_step, logs, watch.batch if watch else None, batch, session.model,
-                                  logs, session)
-            )
+            stop = self._driver.after_run(lambda: _finished_step(session, logs, watch.batch if watch else None, batch))
         except BaseException:  # a hook raised (NanTensorHook's error): the fit fails here, Keras tells nobody
             self._fail()
             raise

@@ -16,11 +16,11 @@ class ProfilerHook(HookCallback):
     Arguments and semantics are `hookprof.ProfilerHook`'s (TF1's). `output_dir=None` (the default) writes into
     `logs/train`, where `SummarySaverHook` and Keras' own `TensorBoard()` callback write, so one
     `tensorboard --logdir logs` shows the step graphs beside the summaries. On the torch backend the timeline
-    holds every op of the step; on other backends only the step's phases. `compress=True` writes `.json.gz`;
-    `max_events` caps a timeline's size; `tensorboard=True` also writes each traced step's graph and
-    `step_<N>` run metadata for TensorBoard. `triggers` (`hookprof.triggers`), `capture_steps` and
-    `cooldown_steps` trace the steps after one that went wrong (a slow step, a NaN loss, a loss spike, a memory
-    jump); `keep_last` keeps only the newest timelines of the run.
+    holds every op of the step, on JAX every XLA op of the jitted train step, on TensorFlow only the step's
+    phases. `compress=True` writes `.json.gz`; `max_events` caps a timeline's size; `tensorboard=True` also
+    writes each traced step's graph and `step_<N>` run metadata for TensorBoard. `triggers`
+    (`hookprof.triggers`), `capture_steps` and `cooldown_steps` trace the steps after one that went wrong (a
+    slow step, a NaN loss, a loss spike, a memory jump); `keep_last` keeps only the newest timelines of the run.
 
     Example::
 

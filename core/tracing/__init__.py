@@ -1,6 +1,7 @@
 """Tracers fill a traced step's `RunMetadata`; `STEP_TRACES` runs at most one per step.
 
-`TorchTracer` lives in `hookprof.tracing.torch_tracer` and is imported only where torch is the engine.
+`TorchTracer` lives in `hookprof.tracing.torch_tracer` and `JaxTracer` in `hookprof.tracing.jax_tracer`; each is
+imported only where its framework is the engine.
 """
 
 from hookprof.tracing.coordinator import STEP_TRACES, StepTraceCoordinator

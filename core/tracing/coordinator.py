@@ -247,14 +247,22 @@ def _phase_spans(step_start: int, marks: list[tuple[str, int]], end_ns: int) -> 
 
 def _phases_seen(stats: StepStats, step_start: int, step_end: int) -> list[tuple[str, int]]:
     """Where the backward pass and the optimizer began, from the ops the tracer assigned to them: for
-    frameworks whose callbacks mark no phases (Keras), so their steps show the same phase spans."""
-    first: dict[str, int] = {}
+    frameworks whose callbacks mark no phases (Keras), so their steps show the same phase spans. The optimizer
+    begins with its first op after the backward pass's last (XLA schedules a little optimizer work, a learning
+    rate, early, and interleaves the rest: the phases are where each mostly runs)."""
+    ops: dict[str, list[tuple[int, int]]] = {"backward": [], "optimizer": []}
     for node in stats.all_nodes():
-        if node.category == fmt.CAT_OP and node.phase in ("backward", "optimizer") and \
-                step_start <= node.start_ns < step_end:
-            if node.start_ns < first.get(node.phase, node.start_ns + 1):
-                first[node.phase] = node.start_ns
-    return sorted(first.items(), key=lambda phase: phase[1])
+        if node.category == fmt.CAT_OP and node.phase in ops and step_start <= node.start_ns < step_end:
+            ops[node.phase].append((node.start_ns, node.start_ns + node.duration_ns))
+    phases = []
+    backward = ops["backward"]
+    if backward:
+        phases.append(("backward", min(start for start, _ in backward)))
+    after = max((end for _, end in backward), default=step_start)
+    optimizer = [start for start, _ in ops["optimizer"] if start >= after]
+    if optimizer:
+        phases.append(("optimizer", min(optimizer)))
+    return phases
 
 
 STEP_TRACES = StepTraceCoordinator()

@@ -1,0 +1,146 @@
+"""keras_prof on the JAX backend: a real `Model.fit` (in its own process, tests/keras_jax_fit.py) traced with JAX's
+profiler. Timelines hold the train step's XLA ops, and only that step's; the TensorBoard graph, the Profiler's
+op view and the summaries are read back with the project's and TensorBoard's own readers."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.util import tensor_util
+
+from hookprof.profiler import Profiler
+from tests.conftest import load_trace, op_events
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def jax_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("keras_jax")
+    env = {**os.environ, "KERAS_BACKEND": "jax", "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run([sys.executable, "-m", "tests.keras_jax_fit", str(out)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    with open(out / "result.json") as f:
+        result = json.load(f)
+    assert result["backend"] == "jax"
+    return out, result, done.stderr
+
+
+def _hlo_ops(trace):
+    return op_events(trace)
+
+
+def test_timelines_at_the_scheduled_steps_hold_the_train_steps_xla_ops(jax_run):
+    out, result, stderr = jax_run
+    assert [os.path.basename(p) for p in result["paths"]] == ["timeline-2.json", "timeline-4.json", "timeline-6.json"]
+    assert "the Keras backend is" not in stderr  # the JAX backend has its op-level tracer: no fallback warning
+    per_step = []
+    for path in result["paths"]:
+        trace = load_trace(path)
+        assert trace["metadata"]["tracer"] == "jax"
+        ops = _hlo_ops(trace)
+        assert ops and all(e["dur"] > 0 for e in ops)  # XLA's executions, each with its measured duration
+        assert {e["args"]["hlo_module"] for e in ops} == {"jit_train_step"}  # Keras' jitted train step
+        # the model's layers in the forward and the backward pass, the optimizer's update, as on the torch backend
+        seen = {(e["args"].get("scope", ""), e["args"]["phase"]) for e in ops}
+        assert {("tiny/fc1", "forward"), ("tiny/fc1", "backward"), ("optimizer/sgd", "optimizer")} <= seen, seen
+        # one execution of the train step, inside the step's span: nothing from the steps before or after
+        programs = op_events(trace, "Module")
+        assert [e["name"] for e in programs] == ["jit_train_step"]
+        step = next(e for e in op_events(trace, "Span") if e["args"]["op"] == "train_step")
+        assert step["name"] == f"ProfilerStep#{trace['metadata']['step']}"
+        for e in ops + programs:
+            assert step["ts"] <= e["ts"] and e["ts"] + e["dur"] <= step["ts"] + step["dur"] + 1e-3, e
+        # the phase spans come in the step's order, though XLA schedules a little optimizer work early
+        phases = [e for e in op_events(trace, "Span") if e["args"]["op"] in ("forward", "backward", "optimizer")]
+        assert [e["args"]["op"] for e in sorted(phases, key=lambda e: e["ts"])] == ["forward", "backward",
+                                                                                    "optimizer"], phases
+        optimizer = next(e for e in phases if e["args"]["op"] == "optimizer")
+        backward_ends = [e["ts"] + e["dur"] for e in ops if e["args"]["phase"] == "backward"]
+        assert optimizer["ts"] >= max(backward_ends) - 1e-3
+        names = [e["args"]["name"] for e in ops]
+        assert len(names) == len(set(names)) and not any(n.endswith("_1") for n in names)  # each HLO op once
+        per_step.append(sorted(names))
+        # full trace: each op's operands and output, as XLA compiled them
+        dot = next(e for e in ops if e["args"].get("op_name", "").endswith("jvp(fc1)/dot_general"))
+        assert [8, 8] in dot["args"]["input_shapes"] and dot["args"]["outputs"][0]["shape"] == [8, 16]
+    assert per_step[0] == per_step[1] == per_step[2]  # the same program, the same ops, at every traced step
+
+
+def test_dataflow_arrows_and_the_tensorboard_step_graph(jax_run):
+    out, result, _ = jax_run
+    trace = load_trace(result["paths"][0])
+    ops = {e["args"]["name"]: e for e in _hlo_ops(trace)}
+    flows = [e for e in trace["traceEvents"] if e.get("cat") == "DataFlow" and e["ph"] == "s"]
+    assert flows
+    for flow in flows:  # each arrow leaves a producer of this step after it ended, for a consumer of this step
+        producer, consumer = ops[flow["args"]["producer"]], ops[flow["args"]["consumer"]]
+        assert producer["ts"] + producer["dur"] <= consumer["ts"] + 1e-3
+    acc = EventAccumulator(str(out / "timelines"), size_guidance={"run_metadata": 0})
+    acc.Reload()
+    assert sorted(acc.Tags()["run_metadata"]) == ["step_2", "step_4", "step_6"]
+    nodes = {n.name: n for n in acc.Graph().node}
+    assert {n.op for n in nodes.values()} == {e["name"] for e in _hlo_ops(load_trace(result["paths"][-1]))}
+    assert any(n.input for n in nodes.values())
+    for node in nodes.values():  # every input names a node of the graph
+        assert all(source.split(":")[0] in nodes for source in node.input)
+    stats = [s for dev in acc.RunMetadata("step_6").step_stats.dev_stats for s in dev.node_stats]
+    assert {s.node_name for s in stats} == set(nodes) and all(s.all_end_rel_micros > 0 for s in stats)
+
+
+def test_the_profilers_op_view_over_the_traced_steps(jax_run):
+    out, result, _ = jax_run
+    with open(out / "run.prof", "rb") as f:
+        prof = Profiler.load(f.read())
+    traces = {int(os.path.basename(p)[9:-5]): load_trace(p) for p in result["paths"]}
+    assert sorted(prof.data.steps) == sorted(traces) == [2, 4, 6]
+    for step, trace in traces.items():
+        rows = prof.profile_operations({"step": step, "select": ["micros", "occurrence"], "output": "none"}).rows
+        counted = {r.name: r.self_["occurrence"] for r in rows if r.self_["occurrence"]}
+        in_trace: dict[str, int] = {}
+        for e in _hlo_ops(trace):
+            in_trace[e["name"]] = in_trace.get(e["name"], 0) + 1
+        assert counted == in_trace  # one row per XLA op kind, counting its executions in that step
+        assert sum(r.self_["micros"] for r in rows) > 0
+    scopes = prof.profile_name_scope({"step": -1, "output": "none", "max_depth": 2})
+    assert "tiny" in {child.name for child in scopes.children}
+
+
+def test_with_stack_each_op_has_the_python_stack_that_made_it(jax_run):
+    out, result, _ = jax_run
+    ops = _hlo_ops(load_trace(result["paths"][0]))
+    dot = next(e for e in ops if e["args"].get("op_name", "").endswith("jvp(fc1)/dot_general"))
+    stack = dot["args"]["stack"]  # outermost frame first: ... Dense.call, then the matmul it called, last
+    dense = next(i for i, frame in enumerate(stack) if "layers/core/dense.py" in frame)
+    assert "matmul" in stack[-1] and dense < len(stack) - 1, stack
+    with open(out / "run.prof", "rb") as f:
+        code = Profiler.load(f.read()).profile_python({"step": -1, "output": "none", "max_depth": 100})
+    assert any("layers/core/dense.py" in node.name for node in code.walk())  # the code view, from the same stacks
+
+
+def test_summaries_of_jax_values_read_back_with_tensorboard(jax_run):
+    out, result, _ = jax_run
+    assert result["fetched_jax_arrays"] == [True] * 6  # fetches hand back the JAX array itself, on the device
+    acc = EventAccumulator(str(out / "logs"), size_guidance={"tensors": 0})
+    acc.Reload()
+    sums = acc.Tensors("kernel_sum")
+    assert [e.step for e in sums] == [1, 3, 5]  # the first step, then every 2: only the saving steps convert
+    for event in sums:
+        written = float(tensor_util.make_ndarray(event.tensor_proto))
+        assert written == pytest.approx(result["kernel_sums"][str(event.step)], rel=1e-5, abs=1e-6)
+    histograms = acc.Tensors("fc1/kernel")
+    assert [e.step for e in histograms] == [1, 3, 5]
+    buckets = tensor_util.make_ndarray(histograms[0].tensor_proto)  # rows of (left edge, right edge, count)
+    assert buckets[:, 2].sum() == result["kernel_size"]  # every weight of the JAX array counted
+
+
+def test_a_users_own_jax_profiler_trace_wins_with_one_warning(jax_run):
+    out, result, stderr = jax_run
+    assert result["beside_user_trace"] == []  # hookprof stepped aside: no timeline of ours while it ran
+    assert stderr.count("a jax.profiler trace is running") == 1
+    user_files = [n for _, _, names in os.walk(out / "user_trace") for n in names]
+    assert any(n.endswith(".xplane.pb") for n in user_files)  # the user's own trace was written whole
