@@ -110,7 +110,8 @@ def run_dir(trainer: pl.Trainer) -> str:
 
 class LoggerSink:
     """Lightning's `TensorBoardLogger` as an event stream: its `experiment` (a SummaryWriter) exists only when
-    first used, and only on rank 0, so it is resolved at the first write; the logger owns and closes it."""
+    first used, and only on rank 0, so it is resolved at the first write; the logger owns and closes it. A
+    failing disk costs hookprof's events, never the logger's writer (see `hookprof.tensorboard.events`)."""
 
     def __init__(self, logger: TensorBoardLogger) -> None:
         self._logger = logger
@@ -132,7 +133,9 @@ class LoggerSink:
             self._sink.flush()
 
     def close(self) -> None:
-        self.flush()
+        """Flush, and close the event file hookprof opened if the logger's writer failed (never the logger)."""
+        if self._sink is not None:
+            self._sink.close()
 
     def __reduce__(self) -> tuple:
         return LoggerSink, (self._logger,)  # (a lock does not pickle: ddp_spawn sends callbacks to its ranks)

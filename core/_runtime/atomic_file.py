@@ -55,11 +55,20 @@ def atomic_write(path: str) -> Iterator[BinaryIO]:
     """Open a binary temp file beside `path`; on a clean exit rename it onto `path`, else delete it.
 
     The temp file is created with mode 0666 less the umask, like a plain `open(path, "wb")`, so the renamed
-    file has the permissions a user expects (not the 0600 of `tempfile.mkstemp`).
+    file has the permissions a user expects (not the 0600 of `tempfile.mkstemp`). A directory removed since
+    the writer started is made again.
     """
     tmp = temp_path_for(path)
     layer = FILE_LAYER
-    f = layer.open_temp(tmp)
+    try:
+        f = layer.open_temp(tmp)
+    except FileNotFoundError:
+        # the directory was removed while training ran: made again, as the event writer does
+        head = os.path.dirname(tmp)
+        if not head:
+            raise
+        os.makedirs(head, exist_ok=True)
+        f = layer.open_temp(tmp)
     try:
         with f:
             yield f

@@ -161,8 +161,8 @@ class StepCounterHook(SessionRunHook):
         except OSError as err:  # a full disk must not end the training run
             self.dropped_outputs += 1
             self._warn_once(f"write:{err.strerror or err}", "Could not write %s at step %d to %s (%s); training "
-                            "goes on.", self._summary_tag, global_step, self.output_dir or "the summary writer",
-                            err.strerror or err)
+                            "goes on.", self._summary_tag, global_step,
+                            err.filename or self.output_dir or "the summary writer", err.strerror or err)
 
     def end(self, session: Any) -> None:
         self.close()
@@ -176,7 +176,7 @@ class StepCounterHook(SessionRunHook):
             except OSError as err:  # what could not be flushed is lost either way; the run goes on
                 self.dropped_outputs += 1
                 self._warn_once(f"flush:{err.strerror or err}", "Could not flush %s to %s (%s).", self._summary_tag,
-                                self.output_dir or "the summary writer", err.strerror or err)
+                                err.filename or self.output_dir or "the summary writer", err.strerror or err)
             finally:
                 if self._events_dir is not None:
                     from hookprof.tensorboard.events import release

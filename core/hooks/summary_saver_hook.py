@@ -122,19 +122,26 @@ class SummarySaverHook(PeriodicHook):
             self._timer.update_last_triggered_step(step)
             if run_values.results is not None:
                 add_summary(self._sink, run_values.results, step)
-        except OSError as err:  # a full disk must not end the training run
+        except OSError as err:  # a full disk must not end the training run; writing resumes when it clears
             self.dropped_outputs += 1
             self._warn_once(f"os:{err.strerror}", "Could not write summaries at step %d to %s (%s); training "
-                            "goes on.", step, self.output_dir or "the summary writer", err.strerror or err)
+                            "goes on, and summaries are written again once the disk takes them.", step,
+                            err.filename or self.output_dir or "the summary writer", err.strerror or err)
 
     def end(self, session: Any) -> None:
         self.close()
 
     def close(self) -> None:
-        """Flush and release the event writer (at `end()`, and when training fails before it)."""
-        if self._sink is not None:
-            self._sink.flush()
-        super().close()
+        """Flush and release the event writer (at `end()`, and when training fails before it); a disk failure
+        here is warned, never raised (every summary was flushed when written)."""
+        try:
+            if self._sink is not None:
+                self._sink.flush()
+        except OSError as err:
+            self._warn_once(f"flush:{err.strerror}", "Could not flush summaries to %s (%s).",
+                            err.filename or self.output_dir or "the summary writer", err.strerror or err)
+        finally:
+            super().close()
 
     def _on_error(self, err: SummaryError) -> None:
         self.summary_errors += 1

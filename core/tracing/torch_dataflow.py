@@ -26,11 +26,9 @@ import functools
 from math import prod
 from typing import Any
 
-import torch
-from torch._C._profiler import _EventType
-
 from hookprof.step_stats import DTYPE_ITEMSIZE, NodeExecStats, TensorDescription
 from hookprof.tracing.dataflow import OpData
+from hookprof.tracing.torch_private import private, warn_missing
 
 Read = tuple[int, int, TensorDescription]  # (argument position, allocation id, the tensor as read)
 
@@ -50,16 +48,31 @@ class Block:
         return self.free_ns is None or self.free_ns > node.start_ns + node.duration_ns
 
 
+_NO_TREE = "timelines have no dataflow arrows and no memory tracks, and the Profiler no memory figures"
+
+
+def event_tree(results: Any) -> EventTree | None:
+    """The event tree of a stopped profiler's results; None (and one warning) where this torch has none."""
+    event_type = private("torch._C._profiler", "_EventType", _NO_TREE)
+    tree = getattr(results, "experimental_event_tree", None)
+    if event_type is None:
+        return None
+    if tree is None:
+        warn_missing("_ProfilerResult.experimental_event_tree", _NO_TREE)
+        return None
+    return EventTree(tree(), event_type)
+
+
 class EventTree:
     """One pass over the profiler's event tree: its ops in start order, each with its argument count and
     the tensors it read; its allocation and free events in time order, as (time, fields); and each
-    allocation as a `Block`, by allocation id."""
+    allocation as a `Block`, by allocation id. Made by `event_tree`."""
 
-    def __init__(self, results: Any) -> None:
-        allocation, torch_op = _EventType.Allocation, _EventType.TorchOp
+    def __init__(self, roots: Any, event_type: Any) -> None:
+        allocation, torch_op = event_type.Allocation, event_type.TorchOp
         self.ops: list[tuple[Any, int, list[Read]]] = []
         events: list[tuple[int, Any, Any]] = []
-        stack = list(results.experimental_event_tree())
+        stack = list(roots)
         while stack:
             event = stack.pop()
             kind, fields = event.typed
@@ -74,7 +87,7 @@ class EventTree:
         self.blocks: dict[int, Block] = {}
         for start, fields, event in events:
             if fields.alloc_size > 0:
-                self.blocks[fields.allocation_id] = Block(fields.alloc_size, start, allocating_op(event))
+                self.blocks[fields.allocation_id] = Block(fields.alloc_size, start, allocating_op(event, torch_op))
             else:
                 block = self.blocks.get(fields.allocation_id)
                 if block is not None:
@@ -121,14 +134,18 @@ _METADATA_ONLY = frozenset({"unsqueeze_", "squeeze_", "t_", "transpose_", "swapd
                             "as_strided_", "set_"})
 
 
-def allocating_op(event: Any) -> Any:
+def allocating_op(event: Any, torch_op: Any) -> Any:
     """The op an allocation event belongs to: its parent op, or the op around allocation plumbing (never a
-    Python-frame event above it: those record no op)."""
+    Python-frame event above it: those record no op). `torch_op` is the tree's op event type."""
     parent = event.parent
     while (parent is not None and parent.name.startswith(ALLOCATING_PLUMBING) and parent.parent is not None
-           and parent.parent.typed[0] == _EventType.TorchOp):
+           and parent.parent.typed[0] == torch_op):
         parent = parent.parent
     return parent
+
+
+_NO_SCHEMAS = ("in-place writes are found by op name only (a trailing `_`), so ops that write an `out=` tensor "
+               "or a list of tensors start no dataflow arrows")
 
 
 @functools.lru_cache(maxsize=4096)
@@ -140,9 +157,10 @@ def written_arguments(name: str, arity: int) -> frozenset[int]:
         return frozenset()
     written: set[int] = set()
     matched = False
-    if "::" in name:
+    schemas_of = private("torch._C", "_jit_get_schemas_for_operator", _NO_SCHEMAS) if "::" in name else None
+    if schemas_of is not None:
         try:
-            schemas = torch._C._jit_get_schemas_for_operator(name)
+            schemas = schemas_of(name)
         except RuntimeError:
             schemas = []
         for schema in schemas:

@@ -4,7 +4,8 @@ It reads the profiler's raw kineto results (`kineto_results.events()`), not `pro
 Python `FunctionEvent` tree and costs 40-80 ms per 2k events. Module scopes come from global forward hooks
 that open a `record_function` span per module call during the traced step only; backward ops inherit the
 scope of the forward op they differentiate (matched by autograd's sequence number), so a gradient op shows
-under the module whose forward made it. Imported lazily: `hookprof` never imports torch at top level.
+under the module whose forward made it. Imported lazily: `hookprof` never imports torch at top level. The
+private torch APIs it uses are found by feature detection (`hookprof.tracing.torch_private`).
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ from hookprof.naming import root_label
 from hookprof.step_stats import NodeExecStats, StepStats
 from hookprof.trace import format as fmt
 from hookprof.tracing.dataflow import find_edges
-from hookprof.tracing.torch_dataflow import EventTree, step_dataflow
+from hookprof.tracing.torch_dataflow import event_tree, step_dataflow
 from hookprof.tracing.torch_memory import add_allocations
+from hookprof.tracing.torch_private import profiler_enabled, record_function_class, unsupported_torch
 from hookprof.tracing.tracer import HOST_DEVICE, Tracer, TracerUnavailable
 
 log = logging.getLogger(__name__)
@@ -71,11 +73,7 @@ class _ModuleScopes:
     def install(self) -> None:
         from torch.nn.modules import module as nn_module
 
-        try:  # the C++ span (about 1.6 us a module call on this project's machine, against 19 for record_function)
-            from torch._C._profiler import _RecordFunctionFast as record_function
-        except ImportError:  # an older torch
-            from torch.autograd.profiler import record_function
-
+        record_function = record_function_class()
         local_names, open_spans = self._local_names, self._open
 
         def enter(module, args):
@@ -133,7 +131,10 @@ class TorchTracer(Tracer):
     def start(self, options: RunOptions) -> None:
         from torch.autograd import profiler as autograd_profiler
 
-        if torch._C._autograd._profiler_enabled():
+        unsupported = unsupported_torch()
+        if unsupported is not None:
+            raise TracerUnavailable(unsupported)
+        if profiler_enabled():
             # Starting a second kineto session would silently take over the user's (their trace ends empty).
             raise TracerUnavailable(
                 "another torch profiler is running (torch.profiler.profile, or Trainer(profiler='pytorch')); "
@@ -206,8 +207,8 @@ class _Recording:
         stats.metadata["trace_start_ns"] = results.trace_start_ns()
         want_ids = options.record_dataflow or options.record_memory
         by_external_id = _convert(results.events(), stats, want_ids, options.with_stack)
-        if want_ids:
-            tree = EventTree(results)
+        tree = event_tree(results) if want_ids else None  # (None where this torch has no event tree)
+        if tree is not None:
             if options.record_dataflow:
                 stats.edges = find_edges(step_dataflow(tree, by_external_id))
             if options.record_memory:
