@@ -41,11 +41,13 @@ class BackgroundJob:
     def done(self) -> bool:
         return self._done.is_set()
 
-    def wait(self) -> None:
-        """Return once the job has run. On the worker thread itself it returns at once: every job submitted
-        before the running one has run, and a later one cannot be waited for from there."""
+    def wait(self, timeout: float | None = None) -> bool:
+        """Return once the job has run (or `timeout` seconds passed); return whether it has run. On the worker
+        thread itself it returns at once: every job submitted before the running one has run, and a later one
+        cannot be waited for from there."""
         if threading.current_thread() is not self._background._thread:
-            self._done.wait()
+            return self._done.wait(timeout)
+        return self.done
 
 
 class Background:

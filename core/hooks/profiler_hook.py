@@ -27,8 +27,11 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MAX_EVENTS = 2_000_000  # what Perfetto's and Chrome's JSON importers load comfortably
 # Traced steps rendered and waiting for the disk, at most (each held in memory until written): past that a
-# step due to be traced is not, and is counted (`skipped_traces`, the next file's `skipped_traces`).
+# step due to be traced is not, and is counted (`skipped_traces`, the next file's `skipped_traces`). A full
+# queue is given WRITE_GRACE_SECONDS to free a place first: a disk that keeps up does so within moments (the
+# writer thread may only be waiting for the GIL), so only a slow disk ever costs a trace.
 MAX_PENDING_WRITES = 2
+WRITE_GRACE_SECONDS = 0.05
 
 
 class ProfilerHook(PeriodicHook):
@@ -188,7 +191,7 @@ class ProfilerHook(PeriodicHook):
         self._capturing = self._capture if self._writes_here else None
         self._wanted = self._periodic or self._capturing is not None
         # a disk slower than the schedule: skip the trace (counted) rather than stall or hold ever more files
-        self._skipping = self._wanted and self._pending_writes() >= MAX_PENDING_WRITES
+        self._skipping = self._wanted and not self._room_to_write()
         self._request = self._wanted and not self._skipping
         if self._watching:
             STEP_TRACES.step_begins()
@@ -286,12 +289,18 @@ class ProfilerHook(PeriodicHook):
             self._writes[-1].wait()  # and so do the disk's
             self._writes.clear()
 
-    def _pending_writes(self) -> int:
-        """Traced steps of this hook not yet on disk: rendering (one at most) or waiting for the disk."""
+    def _room_to_write(self) -> bool:
+        """Whether fewer than MAX_PENDING_WRITES of this hook's rendered steps wait for the disk (after giving a
+        full queue WRITE_GRACE_SECONDS)."""
         writes = self._writes
         while writes and writes[0].done:
             writes.popleft()
-        return len(writes) + (self._pending is not None and not self._pending.done)
+        if len(writes) < MAX_PENDING_WRITES:
+            return True
+        writes[0].wait(WRITE_GRACE_SECONDS)
+        while writes and writes[0].done:
+            writes.popleft()
+        return len(writes) < MAX_PENDING_WRITES
 
     def timeline_path(self, step: int, rank: int = 0, world_size: int = 1) -> str:
         """The file a traced `step` is written to."""
