@@ -57,6 +57,8 @@ bench: $(STAMP)
 	$(BIN)/python bench/writer_throughput.py
 	$(BIN)/python bench/profiler_reports.py
 	KERAS_BACKEND=torch $(BIN)/python bench/idle_fit_overhead.py
+	KERAS_BACKEND=torch $(BIN)/python bench/trigger_watch_cost.py
+	KERAS_BACKEND=jax $(BIN)/python bench/jax_traced_step.py
 	$(BIN)/python bench/long_run_stability.py
 
 clean:
