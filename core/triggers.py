@@ -15,7 +15,7 @@ What a trigger reads of each step (a `StepObservation`):
 - the value of its `fetch` (a step output or logged metric by name, or a callable of the finished step), when
   it has one; a torch tensor's value is read on the host, one small copy a step;
 - the bytes allocated at the step's end, when it reads memory (`hookprof._runtime.memory.allocated_bytes`:
-  the CUDA allocator's on a GPU run, the host heap otherwise).
+  the CUDA allocator's on a GPU run; the host heap in use otherwise, on every 10th step).
 
 Write your own by subclassing `Trigger` and implementing `observe`.
 """
@@ -197,7 +197,9 @@ class LossSpike(_RollingTrigger):
 
 class MemoryJump(_RollingTrigger):
     """Fires on a step that ends with more than `bytes` allocated above the median of the last `window`
-    judged steps' (the CUDA allocator's bytes on a GPU run, the host heap otherwise).
+    judged steps' (the CUDA allocator's bytes on a GPU run, read every step; the host heap in use otherwise,
+    read every 10th step, since reading it costs tens of microseconds: there `window` and `min_steps` count
+    those readings).
 
     Example: `MemoryJump(512 * 2**20)`: half a GiB more held at a step's end than usual.
     """

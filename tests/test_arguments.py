@@ -13,7 +13,7 @@ PROFILER_HOOKS = [hookprof.ProfilerHook, lightning_prof.ProfilerHook, keras_prof
 
 @pytest.mark.parametrize("cls", PROFILER_HOOKS)
 @pytest.mark.parametrize("kwargs,error,pattern", [
-    ({}, ValueError, r"exactly one of `save_steps` or `save_secs` must be set"),
+    ({}, ValueError, r"set `save_steps` or `save_secs` .*or give `triggers`"),
     ({"save_steps": 5, "save_secs": 5}, ValueError, r"set only one of `save_steps` or `save_secs`"),
     ({"save_steps": 0}, ValueError, r"`save_steps` must be an int >= 1"),
     ({"save_steps": -3}, ValueError, r"`save_steps` must be an int >= 1"),

@@ -248,7 +248,7 @@ class ProfilerHook(PeriodicHook):
             record.step = step
         # time and memory are judged only on steps that ran as an untraced step runs
         judged = record is not None and not (record.traced or record.disturbed or results.get("batch_idx") == 0)
-        memory = allocated_bytes() if judged and self._reads_memory else None
+        memory = allocated_bytes(step) if judged and self._reads_memory else None
         observation = StepObservation(step, record.seconds if judged else None, None,
                                       *(memory if memory is not None else (None, "")))
         values = {key: host_scalar(value) for key, value in results.items()}
