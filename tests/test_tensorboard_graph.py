@@ -1,15 +1,75 @@
 """TensorBoard's Graphs dashboard: the traced step's graph and step_N run metadata, read back with
-TensorBoard's own EventAccumulator."""
+TensorBoard's own EventAccumulator, and the same step built node by node through TensorBoard's protos."""
 
 import os
 
 import hypothesis
+import pytest
+from hypothesis import strategies as st
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.compat.proto.attr_value_pb2 import AttrValue
+from tensorboard.compat.proto.config_pb2 import RunMetadata
+from tensorboard.compat.proto.graph_pb2 import GraphDef
+from tensorboard.compat.proto.node_def_pb2 import NodeDef
+from tensorboard.compat.proto.tensor_shape_pb2 import TensorShapeProto
 
+from hookprof.step_stats import DeviceStepStats, NodeExecStats, StepStats, TensorAllocation, TensorDescription
 from hookprof.tensorboard.events import masked_crc32c
-from hookprof.tensorboard.graph import graph_name
-from lightning_prof import ProfilerHook
+from hookprof.tensorboard.graph import graph_and_run_metadata, graph_name, node_graph_name, tf_device
+from hookprof.tracing.dataflow import DataEdge
+from lightning_prof import HookCallback, ProfilerHook
+from tests.conftest import RecordingHook
 from tests.lightning_models import TinyModel, loader, trainer
+
+# TensorFlow's DataType numbers (tensorflow/core/framework/types.proto), independent of graph.py's table
+TF_DTYPES = {"float32": 1, "float64": 2, "int32": 3, "uint8": 4, "int16": 5, "int8": 6, "complex64": 8, "int64": 9,
+             "bool": 10, "bfloat16": 14, "uint16": 17, "complex128": 18, "float16": 19, "uint32": 22, "uint64": 23}
+
+
+def _shape_proto(shape):
+    return TensorShapeProto(dim=[TensorShapeProto.Dim(size=int(d)) for d in shape])
+
+
+def protos_of(stats: StepStats) -> tuple[GraphDef, RunMetadata]:
+    """The step's GraphDef and RunMetadata built message by message with TensorBoard's protos (what graph.py
+    wrote before it wrote the wire format itself): what its bytes must decode to."""
+    inputs = {}
+    for edge in stats.edges:
+        slot = edge.name.rsplit(":", 1)[-1]
+        source = node_graph_name(edge.producer)
+        inputs.setdefault(id(edge.consumer), []).append(source if slot == "0" else f"{source}:{slot}")
+    allocated = {}
+    for alloc in stats.allocations:
+        if alloc.producer is not None:
+            allocated[id(alloc.producer)] = allocated.get(id(alloc.producer), 0) + alloc.nbytes
+    graph, meta = GraphDef(), RunMetadata()
+    for dev in stats.dev_stats:
+        device = tf_device(dev.device)
+        dev_proto = meta.step_stats.dev_stats.add(device=device)
+        for node in dev.node_stats:
+            if node.category != "Op":
+                continue
+            attrs = {"phase": AttrValue(s=node.phase.encode())}
+            if node.outputs:
+                attrs["_output_shapes"] = AttrValue(list=AttrValue.ListValue(
+                    shape=[_shape_proto(t.shape) for t in node.outputs]))
+            graph.node.append(NodeDef(name=node_graph_name(node), op=node.op, device=device,
+                                      input=inputs.get(id(node), []), attr=attrs))
+            micros = max(1, node.duration_ns // 1000)
+            proto = dev_proto.node_stats.add(
+                node_name=node_graph_name(node), all_start_micros=node.start_ns // 1000, op_start_rel_micros=0,
+                op_end_rel_micros=micros, all_end_rel_micros=micros, timeline_label=node.op,
+                thread_id=node.thread_id)
+            if id(node) in allocated:
+                proto.memory.add(allocator_name=device, total_bytes=allocated[id(node)],
+                                 peak_bytes=allocated[id(node)])
+            for slot, tensor in enumerate(node.outputs or ()):
+                description = proto.output.add(slot=slot).tensor_description
+                description.dtype = TF_DTYPES.get(tensor.dtype, 0)
+                description.shape.CopyFrom(_shape_proto(tensor.shape))
+                description.allocation_description.requested_bytes = tensor.nbytes or 0
+                description.allocation_description.allocator_name = device
+    return graph, meta
 
 
 def test_graph_and_step_run_metadata_land_beside_the_scalars(tmp_dir):
@@ -68,3 +128,71 @@ def test_our_fast_record_checksum_is_tensorboards_own(data):
     ours = masked_crc32c()
     assert ours is not tensorboards  # the C one is installed with the tensorboard extra
     assert ours(data) == tensorboards(data)
+
+
+def test_a_fits_written_step_graph_is_the_step_built_with_tensorboards_protos(tmp_dir):
+    # the bytes graph.py writes, as TensorBoard's reader decodes them from a real fit's event file, against
+    # the same traced step (the stats every hook of the fit got) built message by message
+    seen = RecordingHook()
+    hook = ProfilerHook(save_steps=2, output_dir=tmp_dir, show_memory=True)  # dataflow (inputs) and memory
+    trainer(tmp_dir, [hook, HookCallback([seen])], 2, logger=False).fit(TinyModel(), loader())
+    traced = [m.step_stats for m in seen.metadata if m.step_stats is not None]
+    assert len(traced) == 1
+    stats = traced[0]
+    acc = EventAccumulator(tmp_dir, size_guidance={"run_metadata": 0})
+    acc.Reload()
+    expected_graph, expected_meta = protos_of(stats)
+    assert len(expected_graph.node) > 50 and any(n.input for n in expected_graph.node)
+    assert any(s.memory for d in expected_meta.step_stats.dev_stats for s in d.node_stats)
+    assert acc.Graph() == expected_graph
+    assert acc.RunMetadata("step_2") == expected_meta
+
+
+_TEXT = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=12) | \
+    st.sampled_from(["", "aten::addmm", "Model/fc1/aten::addmm", "/lead", "trail/", "a::b/c::d", "a b/c\u00e9:1",
+                     "autograd::engine::evaluate_function: AddmmBackward0"])
+_INT64 = st.integers(-(2**63), 2**63 - 1)
+_TENSOR = st.builds(TensorDescription, st.sampled_from([*TF_DTYPES, "float8_e4m3fn", "Scalar"]),
+                    st.lists(st.integers(-(2**40), 2**40) | st.sampled_from([0, 1, 127, 128, 16384]),
+                             max_size=4).map(tuple),
+                    st.none() | st.integers(0, 2**62))
+_NODE = st.builds(
+    NodeExecStats, node_name=_TEXT | st.text("ab/:", min_size=2100, max_size=2200), op=_TEXT,
+    start_ns=_INT64 | st.integers(1_700_000_000 * 10**9, 1_800_000_000 * 10**9), duration_ns=_INT64,
+    thread_id=st.integers(0, 2**32 - 1) | st.sampled_from([0, 2**32, -1]), phase=_TEXT,
+    outputs=st.none() | st.lists(_TENSOR, max_size=3),
+    category=st.sampled_from(["Op", "Op", "Op", "Module", "Span"]))
+
+
+@st.composite
+def _steps(draw):
+    devices = [DeviceStepStats(draw(st.sampled_from(["/host:CPU", "/device:CUDA:0", "/device:CUDA:1",
+                                                         "/device:XLA:3", "odd"])), draw(st.lists(_NODE, max_size=8)))
+               for _ in range(draw(st.integers(0, 3)))]
+    nodes = [n for d in devices for n in d.node_stats]
+    edges, allocations = [], []
+    if nodes:
+        for _ in range(draw(st.integers(0, 6))):
+            producer, consumer = draw(st.sampled_from(nodes)), draw(st.sampled_from(nodes))
+            slot = draw(st.sampled_from(["0", "1", "12"]))
+            edges.append(DataEdge(producer, consumer, draw(_TENSOR), f"{producer.node_name}:{slot}"))
+        for i in range(draw(st.integers(0, 4))):
+            allocations.append(TensorAllocation(i, "/host:CPU", draw(st.integers(0, 2**40)), 0,
+                                                producer=draw(st.none() | st.sampled_from(nodes))))
+    return StepStats(devices, edges=edges, allocations=allocations)
+
+
+@hypothesis.settings(max_examples=300, deadline=None)
+@hypothesis.given(stats=_steps())
+def test_any_step_decodes_to_what_tensorboards_protos_build(stats):
+    # names to sanitise, ops outside modules, empty phases and names, epoch and negative times, zero and
+    # negative dims, unknown dtypes, several devices, nodes longer than 2 kB: the wire format graph.py writes
+    # decodes to the messages TensorBoard's protos build; a thread id no uint32 holds fails both ways
+    try:
+        expected = protos_of(stats)
+    except ValueError:
+        with pytest.raises(ValueError, match="thread_id"):
+            graph_and_run_metadata(stats)
+        return
+    graph, meta = graph_and_run_metadata(stats)
+    assert (GraphDef.FromString(graph), RunMetadata.FromString(meta)) == expected

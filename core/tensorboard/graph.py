@@ -6,7 +6,13 @@ ops outside every module, such as `aten::to` or autograd's accumulation, are gro
 become a `RunMetadata` whose `step_stats` carry each node's start, compute time and bytes, so picking
 "step_N" colours the graph by compute time or memory. Devices carry TF's full names
 (`/job:localhost/replica:0/task:0/device:CPU:0`): TensorBoard's frontend colours only devices whose name ends
-in `/device:<type>:<index>`. Built with TensorBoard's protos.
+in `/device:<type>:<index>`.
+
+The `GraphDef` and `RunMetadata` are written straight in protobuf's wire format, the messages TensorBoard's
+protos decode (tests/test_tensorboard_graph.py compares them with the same step built through those protos):
+building a message object per node, attribute and shape cost as much as converting the step (2.5-4x what
+this costs), while most of a step's nodes share an op, a phase and output shapes, whose encoded fields are
+made once per step here.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from hookprof._runtime.gc_pause import paused_gc
 from hookprof.step_stats import StepStats
 from hookprof.trace import format as fmt
 
@@ -48,69 +55,224 @@ def tf_device(device: str) -> str:
     return f"{_TF_DEVICE_PREFIX}{kind}:{int(index) if index.isdigit() else 0}"
 
 
-def _shape_proto(shape: tuple[int, ...]) -> Any:
-    from tensorboard.compat.proto.tensor_shape_pb2 import TensorShapeProto
+# --- protobuf's wire format: a field is its tag (number << 3 | wire type) then a varint or a length and bytes ---
+_SMALL = [bytes((i,)) for i in range(128)]
+_CONTINUED = [bytes((i | 0x80,)) for i in range(128)]  # a varint's low 7 bits, more to come
+_UINT32_MAX = 0xFFFFFFFF
 
-    return TensorShapeProto(dim=[TensorShapeProto.Dim(size=int(d)) for d in shape])
+
+def _varint(value: int) -> bytes:
+    """An integer as a base-128 varint; a negative int64 as protobuf writes it (ten bytes, two's complement)."""
+    if 0 <= value < 128:
+        return _SMALL[value]
+    if 0 < value < 16384:
+        return bytes((value & 0x7F | 0x80, value >> 7))
+    value &= 0xFFFFFFFFFFFFFFFF
+    out = bytearray()
+    while value > 0x7F:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
 
 
-def step_graph(stats: StepStats) -> Any:
-    """The step's dataflow graph: ops as nodes, tensors as edges, module scopes as name scopes."""
-    from tensorboard.compat.proto.attr_value_pb2 import AttrValue
-    from tensorboard.compat.proto.graph_pb2 import GraphDef
-    from tensorboard.compat.proto.node_def_pb2 import NodeDef
+_SIZES = [_varint(size) for size in range(2048)]  # the lengths of most encoded nodes
 
-    inputs: dict[int, list[str]] = {}
+
+def _len(tag: bytes, payload: bytes) -> bytes:
+    """A length-delimited field (string, bytes, message) with its payload."""
+    return tag + _varint(len(payload)) + payload
+
+
+def _int(tag: bytes, value: int) -> bytes:
+    """A varint field; proto3 leaves out zero."""
+    return tag + _varint(value) if value else b""
+
+
+def _str(tag: bytes, text: str) -> bytes:
+    """A string field; proto3 leaves out the empty string."""
+    return _len(tag, text.encode()) if text else b""
+
+
+def _str_bytes(tag: bytes, data: bytes) -> bytes:
+    """An encoded string field; proto3 leaves out the empty string."""
+    return _len(tag, data) if data else b""
+
+
+def _shape(shape: tuple[int, ...]) -> bytes:
+    """A `TensorShapeProto` (dim = 2: `Dim`, size = 1)."""
+    return b"".join(_len(b"\x12", _int(b"\x08", int(d))) for d in shape)
+
+
+class _Signatures:
+    """The encoded fields that many nodes of a device share, made once per step: those a node's op, phase,
+    output tensors and thread decide (most nodes of a step repeat a few dozen of these), and the compute
+    time fields of each duration."""
+
+    def __init__(self, device: bytes) -> None:
+        self.device = device
+        self.device_field = _len(b"\x22", device) if device else b""  # NodeDef.device (4)
+        self.fields: dict[tuple, tuple[bytes, bytes, bytes, bytes]] = {}
+        self.durations: dict[int, bytes] = {}
+        self.outputs: dict[tuple, bytes] = {}
+
+    def of(self, signature: tuple) -> tuple[bytes, bytes, bytes, bytes]:
+        """(NodeDef.op (2); NodeDef.device (4) and attr (5); NodeExecStats.output (7); its timeline_label (8)
+        and thread_id (10)) for a signature `(op, phase, output key or None, thread id)`."""
+        op, phase, key, thread_id = signature
+        value = _len(b"\x12", phase.encode())  # AttrValue.s (2), set even when empty
+        attrs = _len(b"\x2a", _len(b"\x0a", b"phase") + _len(b"\x12", value))
+        if key:  # AttrValue.list (1): ListValue.shape (7)
+            value = _len(b"\x0a", b"".join(_len(b"\x3a", _shape(shape)) for _, shape, _ in key))
+            attrs += _len(b"\x2a", _len(b"\x0a", b"_output_shapes") + _len(b"\x12", value))
+        if not 0 <= thread_id <= _UINT32_MAX:
+            raise ValueError(f"thread_id {thread_id} of an {op!r} op is not a uint32 (NodeExecStats.thread_id)")
+        fields = self.fields[signature] = (_str(b"\x12", op), self.device_field + attrs,
+                                           self.node_outputs(key) if key else b"",
+                                           _str(b"\x42", op) + _int(b"\x50", thread_id))
+        return fields
+
+    def node_outputs(self, key: tuple) -> bytes:
+        """NodeExecStats.output (7): NodeOutput slot (1), tensor_description (3): TensorDescription dtype (1),
+        shape (2), allocation_description (4): AllocationDescription requested_bytes (1), allocator_name (3)."""
+        entry = self.outputs.get(key)
+        if entry is None:
+            allocator = _str(b"\x1a", self.device.decode())
+            parts = []
+            for slot, (dtype, shape, nbytes) in enumerate(key):
+                description = _int(b"\x08", _DTYPES.get(dtype, 0)) + _len(b"\x12", _shape(shape)) + \
+                    _len(b"\x22", _int(b"\x08", nbytes or 0) + allocator)
+                parts.append(_len(b"\x3a", _int(b"\x08", slot) + _len(b"\x1a", description)))
+            entry = self.outputs[key] = b"".join(parts)
+        return entry
+
+    def duration(self, micros: int) -> bytes:
+        """NodeExecStats.op_end_rel_micros (4) and all_end_rel_micros (5): the op's compute time."""
+        fields = _varint(micros)
+        fields = self.durations[micros] = b"\x20%s\x28%s" % (fields, fields)
+        return fields
+
+
+def _output_key(node: Any) -> tuple:
+    """What a node's outputs put in its graph node and stats: (dtype, shape, bytes) per output."""
+    return tuple((t.dtype, tuple(t.shape), t.nbytes) for t in node.outputs)
+
+
+class _Names:
+    """Graph names of a step's nodes, as UTF-8: `node_graph_name`, made per scope and per leaf name (a step
+    repeats both: `Sequential/3` holds a few dozen ops, `aten::addmm` runs in every layer)."""
+
+    def __init__(self) -> None:
+        self.scopes: dict[str, bytes] = {}  # a scope (or an op's phase) -> its graph name and "/"
+        self.leaves: dict[str, bytes] = {}
+        self.nodes: dict[int, bytes] = {}  # id(node) -> its graph name
+        self.fields: dict[int, bytes] = {}  # id(node) -> NodeDef.name and NodeExecStats.node_name (1)
+
+    def __call__(self, node: Any) -> bytes:
+        name = self.nodes.get(id(node))
+        if name is not None:
+            return name
+        # `graph_name` works on `/`-free pieces alone: the name is its scope's name, `/`, its leaf's name
+        scope, slash, leaf = node.node_name.rpartition("/")
+        if not slash:
+            scope = node.phase
+        leaf_name = self.leaves.get(leaf)
+        if leaf_name is None:
+            leaf_name = self.leaves[leaf] = graph_name(leaf).encode()
+        if slash or scope:
+            prefix = self.scopes.get(scope)
+            if prefix is None:
+                prefix = self.scopes[scope] = graph_name(scope).encode() + b"/"
+            leaf_name = prefix + leaf_name
+        self.nodes[id(node)] = leaf_name
+        return leaf_name
+
+    def field(self, node: Any) -> bytes:
+        """The node's name as field 1 (NodeDef.name, NodeExecStats.node_name)."""
+        field = self.fields[id(node)] = _str_bytes(b"\x0a", self(node))
+        return field
+
+
+def graph_and_run_metadata(stats: StepStats) -> tuple[bytes, bytes]:
+    """The step's dataflow graph (a serialised `GraphDef`: ops as nodes, tensors as edges, module scopes as
+    name scopes) and its serialised `RunMetadata` (per-node start, compute time, outputs and bytes
+    allocated), in one pass over the step (the garbage collector paused: a full pass over a large step's
+    objects cost as much as building its graph)."""
+    with paused_gc():
+        return _graph_and_run_metadata(stats)
+
+
+def _graph_and_run_metadata(stats: StepStats) -> tuple[bytes, bytes]:
+    name_of = _Names()
+    inputs: dict[int, list[bytes]] = {}  # id(consumer) -> its NodeDef.input (3) fields
     for edge in stats.edges:
         slot = edge.name.rsplit(":", 1)[-1]
-        source = node_graph_name(edge.producer)
-        inputs.setdefault(id(edge.consumer), []).append(source if slot == "0" else f"{source}:{slot}")
-    graph = GraphDef()
-    for dev in stats.dev_stats:
-        device = tf_device(dev.device)
-        for node in dev.node_stats:
-            if node.category != fmt.CAT_OP:
-                continue
-            attrs = {"phase": AttrValue(s=node.phase.encode())}
-            if node.outputs:
-                attrs["_output_shapes"] = AttrValue(list=AttrValue.ListValue(
-                    shape=[_shape_proto(t.shape) for t in node.outputs]))
-            graph.node.append(NodeDef(name=node_graph_name(node), op=node.op, device=device,
-                                      input=inputs.get(id(node), []), attr=attrs))
-    return graph
-
-
-def run_metadata(stats: StepStats) -> Any:
-    """TF's `RunMetadata` for the step: per-node start, compute time, outputs and bytes allocated."""
-    from tensorboard.compat.proto import allocation_description_pb2, tensor_description_pb2
-    from tensorboard.compat.proto.config_pb2 import RunMetadata
-
+        source = name_of(edge.producer)
+        inputs.setdefault(id(edge.consumer), []).append(
+            _len(b"\x1a", source if slot == "0" else b"%s:%s" % (source, slot.encode())))
     allocated: dict[int, int] = {}
     for alloc in stats.allocations:
         if alloc.producer is not None:
             allocated[id(alloc.producer)] = allocated.get(id(alloc.producer), 0) + alloc.nbytes
-    meta = RunMetadata()
+
+    name_fields, varint, continued, sizes = name_of.fields, _varint, _CONTINUED, _SIZES
+    # all_start_micros: microseconds since the epoch, whose bits above the lowest 7 a step's ops share mostly
+    starts: dict[int, bytes] = {}
+    graph: list[bytes] = []
+    devices: list[bytes] = []
     for dev in stats.dev_stats:
-        device = tf_device(dev.device)
-        dev_proto = meta.step_stats.dev_stats.add(device=device)
+        shared = _Signatures(tf_device(dev.device).encode())
+        signatures, durations, device = shared.fields, shared.durations, shared.device
+        node_stats: list[bytes] = [_len(b"\x0a", device)] if device else []  # DeviceStepStats.device (1)
         for node in dev.node_stats:
             if node.category != fmt.CAT_OP:
                 continue
-            micros = max(1, node.duration_ns // 1000)
-            proto = dev_proto.node_stats.add(
-                node_name=node_graph_name(node), all_start_micros=node.start_ns // 1000,
-                op_start_rel_micros=0, op_end_rel_micros=micros, all_end_rel_micros=micros,
-                timeline_label=node.op, thread_id=node.thread_id,
-            )
-            if id(node) in allocated:
-                proto.memory.add(allocator_name=device, total_bytes=allocated[id(node)],
-                                 peak_bytes=allocated[id(node)])
-            for slot, tensor in enumerate(node.outputs or ()):
-                proto.output.add(slot=slot, tensor_description=tensor_description_pb2.TensorDescription(
-                    dtype=_DTYPES.get(tensor.dtype, 0), shape=_shape_proto(tensor.shape),
-                    allocation_description=allocation_description_pb2.AllocationDescription(
-                        requested_bytes=tensor.nbytes or 0, allocator_name=device)))
-    return meta
+            name_field = name_fields.get(id(node))
+            if name_field is None:
+                name_field = name_of.field(node)
+            signature = (node.op, node.phase, _output_key(node) if node.outputs else None, node.thread_id)
+            op_field, attrs, outputs, label = signatures.get(signature) or shared.of(signature)
+            # GraphDef.node (1): NodeDef name (1), op (2), input (3), device (4), attr (5)
+            node_inputs = inputs.get(id(node))
+            fields = name_field + op_field + (b"".join(node_inputs) if node_inputs else b"") + attrs
+            size = len(fields)
+            graph.append(b"\x0a" + (sizes[size] if size < 2048 else varint(size)) + fields)
+            # DeviceStepStats.node_stats (2): NodeExecStats node_name (1), all_start_micros (2),
+            # op_end_rel_micros (4), all_end_rel_micros (5), memory (6), output (7), timeline_label (8), thread_id (10)
+            start, micros = node.start_ns // 1000, max(1, node.duration_ns // 1000)
+            if start >= 128:
+                high = starts.get(start >> 7)
+                if high is None:
+                    high = starts[start >> 7] = varint(start >> 7)
+                start_field = b"\x10" + continued[start & 0x7F] + high
+            else:
+                start_field = _int(b"\x10", start)
+            nbytes = allocated.get(id(node))
+            if nbytes is not None:  # AllocatorMemoryUsed allocator_name (1), total_bytes (2), peak_bytes (3)
+                outputs = _len(b"\x32", _str(b"\x0a", device.decode()) + _int(b"\x10", nbytes) +
+                               _int(b"\x18", nbytes)) + outputs
+            fields = b"".join((name_field, start_field, durations.get(micros) or shared.duration(micros), outputs,
+                               label))
+            size = len(fields)
+            node_stats.append(b"\x12" + (sizes[size] if size < 2048 else varint(size)) + fields)
+        devices.append(_len(b"\x0a", b"".join(node_stats)))  # StepStats.dev_stats (1)
+    # RunMetadata.step_stats (1), set once a device is added
+    run_metadata = _len(b"\x0a", b"".join(devices)) if devices else b""
+    return b"".join(graph), run_metadata
+
+
+def step_graph(stats: StepStats) -> Any:
+    """The step's dataflow graph as TensorBoard's `GraphDef` (see `graph_and_run_metadata`)."""
+    from tensorboard.compat.proto.graph_pb2 import GraphDef
+
+    return GraphDef.FromString(graph_and_run_metadata(stats)[0])
+
+
+def run_metadata(stats: StepStats) -> Any:
+    """TF's `RunMetadata` for the step: per-node start, compute time, outputs and bytes allocated."""
+    from tensorboard.compat.proto.config_pb2 import RunMetadata
+
+    return RunMetadata.FromString(graph_and_run_metadata(stats)[1])
 
 
 def run_metadata_events(stats: StepStats, tag: str, step: int) -> list[Any]:
@@ -120,9 +282,9 @@ def run_metadata_events(stats: StepStats, tag: str, step: int) -> list[Any]:
 
     from hookprof.tensorboard.events import new_event
 
-    return [new_event(step, graph_def=step_graph(stats).SerializeToString()),
-            new_event(step, tagged_run_metadata=TaggedRunMetadata(
-                tag=tag, run_metadata=run_metadata(stats).SerializeToString()))]
+    graph, metadata = graph_and_run_metadata(stats)
+    return [new_event(step, graph_def=graph),
+            new_event(step, tagged_run_metadata=TaggedRunMetadata(tag=tag, run_metadata=metadata))]
 
 
 def add_run_metadata(writer: Any, stats: StepStats, tag: str, step: int) -> None:

@@ -1,0 +1,246 @@
+"""Every step traced in a real Lightning fit: this project's ProfilerHook against a callback running
+`torch.profiler.profile(record_shapes=True)` around each traced step and `export_chrome_trace` after it (the
+peer, the cheapest way a torch user gets the same timeline), at each content level of ours (issue 19).
+
+Both trace the same steps: every step but the first (`save_steps=1`; the first step only starts the count),
+or every 10th (`save_steps=10`: 19-step fits, the 10th traced, nine untraced steps after it while our
+background thread works). Each figure is a fit's extra time over the same fit untraced, per traced step (a
+fit returns only once ProfilerHook's files are on disk). Content levels (the peer records shapes
+always, and memory for the last level):
+- ops: `show_dataflow=False, tensorboard=False`;
+- ops + graph: `show_dataflow=False` (the TensorBoard `step_N` graph and run metadata on);
+- defaults: dataflow arrows and the TensorBoard step graph;
+- dataflow + memory: `show_memory=True, tensorboard=False` (the peer: `profile_memory=True`).
+Also timed, inside the same every-step fits: the training thread's wait for a traced step (our callback's
+batch end, where torch's profiler stops and the step is handed to the background thread) against the peer's
+`prof.__exit__` (torch's profiler stop alone); our callback's batch start (it starts the profiler, after
+the previous traced step's background work is done); and the share of our traced step's own cost (the batch
+end plus the background job: conversion, timeline, TensorBoard events) spent building the step graph and run
+metadata (`hookprof.tensorboard.graph.run_metadata_events`).
+
+MLPs of 40, 400 and 6400 `Linear(64, 64)` layers: about 2k, 20k and 300k events in a traced step (as
+torch's export counts them). Medians over rounds that each run every kind once, in an order rotated from
+round to round: 5 rounds of 12-step fits at 2k, 3 of 4-step fits at 20k, and at 300k one round of 2-step
+fits (one traced step) and no every-10th fits. `HOOKPROF_BENCH_FAST=1`: the two smaller sizes, one round
+(under a minute), for a smoke run; the full run takes about 3.5 minutes on 2 cores.
+Numbers on a shared machine drift between fits: read the ratios, which compare fits of the same rounds.
+torch runs one intra-op thread: on 2 cores shared with other processes, two threads made a 37 ms step take
+0.5 s at random (each op's threads wait at a barrier for a thread the other process holds off its core).
+The table goes to stdout; kineto logs each profiler start and stop on stderr.
+"""
+
+import logging
+import os
+import shutil
+import statistics
+import tempfile
+import time
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from hookprof.hooks.profiler_hook import ProfilerHook
+from lightning_prof import HookCallback
+
+FAST = os.environ.get("HOOKPROF_BENCH_FAST") == "1"
+# (layers, steps of an every-step fit, of an every-10th fit (0: none), rounds): about 2k, 20k and 300k events
+SIZES = ((40, 12, 19, 1), (400, 4, 19, 1)) if FAST else ((40, 12, 19, 5), (400, 4, 19, 3), (6400, 2, 0, 1))
+CONTENTS = {  # label: (ProfilerHook arguments, the peer records memory)
+    "ops": ({"show_dataflow": False, "tensorboard": False}, False),
+    "ops + graph": ({"show_dataflow": False}, False),
+    "defaults (dataflow + graph)": ({}, False),
+    "dataflow + memory": ({"show_memory": True, "tensorboard": False}, True),
+}
+
+
+class MLP(L.LightningModule):
+    def __init__(self, layers: int):
+        super().__init__()
+        self.net = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(layers)])
+
+    def training_step(self, batch, batch_idx):
+        return self.net(batch[0]).square().mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.001)
+
+
+def traced(global_step: int, every: int) -> bool:
+    """Whether the step starting at `global_step` is traced: ProfilerHook's schedule (the first step only
+    starts the count; then the step that reaches a multiple of `every`)."""
+    return global_step >= 1 and (global_step + 1) % every == 0
+
+
+class TorchProfilerPeer(L.Callback):
+    """`torch.profiler.profile(record_shapes=True)` around each traced step, `export_chrome_trace` after it."""
+
+    def __init__(self, every: int, out: str, memory: bool):
+        self.every, self.out, self.memory = every, out, memory
+        self.prof = None
+        self.stops: list[float] = []  # prof.__exit__: torch's profiler stop
+        self.traces = 0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if traced(trainer.global_step, self.every):
+            self.prof = torch.profiler.profile(record_shapes=True, profile_memory=self.memory)
+            self.prof.__enter__()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if self.prof is None:
+            return
+        start = time.perf_counter()
+        self.prof.__exit__(None, None, None)
+        self.stops.append(time.perf_counter() - start)
+        self.prof.export_chrome_trace(os.path.join(self.out, f"trace-{trainer.global_step}.json"))
+        self.prof = None
+        self.traces += 1
+
+
+class TimedProfilerHook(ProfilerHook):
+    """ProfilerHook, timing its background job per traced step and the step graph inside it."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.jobs: list[float] = []
+        self.graphs: list[float] = []
+
+    def _save(self, job):
+        start = time.perf_counter()
+        super()._save(job)
+        self.jobs.append(time.perf_counter() - start)
+
+    def _run_metadata_events(self, stats, tag, step):
+        start = time.perf_counter()
+        events = super()._run_metadata_events(stats, tag, step)
+        self.graphs.append(time.perf_counter() - start)
+        return events
+
+
+class TimedCallback(HookCallback):
+    """lightning_prof's callback around one TimedProfilerHook, timing its batch start and end on traced steps."""
+
+    def __init__(self, hook: TimedProfilerHook):
+        super().__init__([hook])
+        self.hook = hook
+        self.starts: list[float] = []
+        self.ends: list[float] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        start = time.perf_counter()
+        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+        if self.hook._request:  # (set by before_run: this step is traced)
+            self.starts.append(time.perf_counter() - start)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        tracing = self.hook._request
+        start = time.perf_counter()
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        if tracing:
+            self.ends.append(time.perf_counter() - start)
+
+
+def fit(model: MLP, steps: int, kind: tuple) -> tuple[float, object]:
+    """(fit seconds, the callback) for kind ("none", every), ("torch", every, memory) or ("ours", every, content)."""
+    out = tempfile.mkdtemp()
+    callback = None
+    if kind[0] == "torch":
+        callback = TorchProfilerPeer(kind[1], out, kind[2])
+    elif kind[0] == "ours":
+        callback = TimedCallback(TimedProfilerHook(save_steps=kind[1], output_dir=out, **CONTENTS[kind[2]][0]))
+    data = DataLoader(TensorDataset(torch.randn(steps * 32, 64)), batch_size=32)
+    trainer = L.Trainer(max_steps=steps, callbacks=[callback] if callback else [], logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        accelerator="cpu", devices=1)
+    start = time.perf_counter()
+    trainer.fit(model, data)
+    elapsed = time.perf_counter() - start
+    if kind[0] == "ours":
+        callback.written = len(callback.hook.saved_paths)
+    shutil.rmtree(out, ignore_errors=True)
+    return elapsed, callback
+
+
+def events_in_step(model: MLP) -> int:
+    """Trace events torch's own export writes for one training step of `model` (shapes recorded)."""
+    import orjson
+
+    x = torch.randn(32, 64)
+    optimizer = model.configure_optimizers()
+    with torch.profiler.profile(record_shapes=True) as prof:
+        model.training_step((x,), 0).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    path = os.path.join(tempfile.mkdtemp(), "trace.json")
+    prof.export_chrome_trace(path)
+    with open(path, "rb") as f:
+        count = len(orjson.loads(f.read())["traceEvents"])
+    shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+    return count
+
+
+def main():
+    torch.set_num_threads(1)  # (see the module doc: on 2 shared cores, two intra-op threads stall at random)
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    logging.getLogger("hookprof.hooks.profiler_hook").setLevel(logging.WARNING)
+    print("| step (torch's events) | content | every step: ours / torch, per traced step | every 10th: ours / torch | "
+          "training waits, ours: batch end / torch's profiler stop | ours: batch start | "
+          "step graph + run metadata / our traced step |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
+    for layers, steps_every, steps_tenth, rounds in SIZES:
+        model = MLP(layers)
+        events = events_in_step(model)
+        schedules = {1: steps_every, **({10: steps_tenth} if steps_tenth else {})}
+        kinds = []
+        for every in schedules:
+            kinds += [("none", every), ("torch", every, False), ("torch", every, True)]
+            kinds += [("ours", every, content) for content in CONTENTS]
+        if layers < 1000:
+            for kind in kinds[:4]:
+                fit(model, schedules[kind[1]], kind)  # warm up (the largest model's rounds run after these)
+        runs: dict[tuple, list[tuple[float, object]]] = {kind: [] for kind in kinds}
+        for round_ in range(rounds):
+            shift = round_ * 3 % len(kinds)
+            for kind in kinds[shift:] + kinds[:shift]:
+                runs[kind].append(fit(model, schedules[kind[1]], kind))
+        for content, (_, memory) in CONTENTS.items():
+            cells = []
+            for every in schedules:
+                ours, ours_traced = per_traced_step(runs, ("ours", every, content))
+                theirs, theirs_traced = per_traced_step(runs, ("torch", every, memory))
+                skipped = f" ({ours_traced} of {theirs_traced} traced)" if ours_traced != theirs_traced else ""
+                cells.append(f"{_ms(ours)} / {_ms(theirs)} = {ours / theirs:.2f}x{skipped}")
+            if len(cells) == 1:
+                cells.append("-")
+            ours_every = [callback for _, callback in runs[("ours", 1, content)]]
+            wait = _median(c.ends for c in ours_every)
+            stop = _median(c.stops for _, c in runs[("torch", 1, memory)])
+            start = _median(c.starts for c in ours_every)
+            share = "-"
+            if any(c.hook.graphs for c in ours_every):
+                own = statistics.median(end + job for c in ours_every for end, job in zip(c.ends, c.hook.jobs))
+                graph = _median(c.hook.graphs for c in ours_every)
+                share = f"{_ms(graph)} / {_ms(own)} = {graph / own:.0%}"
+            print(f"| {layers} layers ({events:,}) | {content} | {cells[0]} | {cells[1]} | "
+                  f"{_ms(wait)} / {_ms(stop)} = {wait / stop:.2f}x | {_ms(start)} | {share} |", flush=True)
+        del model
+
+
+def per_traced_step(runs: dict[tuple, list], kind: tuple) -> tuple[float, int]:
+    """(median extra seconds per traced step over the untraced fit of the same schedule, steps traced a fit)."""
+    none = statistics.median(elapsed for elapsed, _ in runs[("none", kind[1])])
+    callback = runs[kind][0][1]
+    traced = callback.traces if kind[0] == "torch" else callback.written
+    return (statistics.median(elapsed for elapsed, _ in runs[kind]) - none) / max(1, traced), traced
+
+
+def _median(lists) -> float:
+    return statistics.median([x for values in lists for x in values])
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.0f} ms" if seconds < 1 else f"{seconds:.2f} s"
+
+
+if __name__ == "__main__":
+    main()
