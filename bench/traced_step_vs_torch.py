@@ -33,6 +33,7 @@ import logging
 import os
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 
@@ -43,6 +44,9 @@ from torch.utils.data import DataLoader, TensorDataset
 from hookprof.hooks.profiler_hook import ProfilerHook
 from lightning_prof import HookCallback
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from traced_fit_cost import MLP  # noqa: E402  (the same model of Linear(64, 64) layers)
+
 FAST = os.environ.get("HOOKPROF_BENCH_FAST") == "1"
 # (layers, steps of an every-step fit, of an every-10th fit (0: none), rounds): about 2k, 20k and 300k events
 SIZES = ((40, 12, 19, 1), (400, 4, 19, 1)) if FAST else ((40, 12, 19, 5), (400, 4, 19, 3), (6400, 2, 0, 1))
@@ -52,18 +56,6 @@ CONTENTS = {  # label: (ProfilerHook arguments, the peer records memory)
     "defaults (dataflow + graph)": ({}, False),
     "dataflow + memory": ({"show_memory": True, "tensorboard": False}, True),
 }
-
-
-class MLP(L.LightningModule):
-    def __init__(self, layers: int):
-        super().__init__()
-        self.net = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(layers)])
-
-    def training_step(self, batch, batch_idx):
-        return self.net(batch[0]).square().mean()
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.001)
 
 
 def traced(global_step: int, every: int) -> bool:
