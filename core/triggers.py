@@ -63,6 +63,10 @@ class Trigger:
     def reset(self) -> None:
         """Forget what was seen (a new fit starts)."""
 
+    def settings(self) -> dict[str, Any]:
+        """Its arguments (what tells two triggers apart in a checkpoint key): the public attributes."""
+        return {name: value for name, value in vars(self).items() if not name.startswith("_")}
+
     def observe(self, observation: StepObservation) -> str | None:
         raise NotImplementedError
 

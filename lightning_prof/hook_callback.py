@@ -323,7 +323,7 @@ class HookCallback(Callback):
 
 
 _PLAIN = (int, float, str, bool, type(None), frozenset)
-_COUNTERS = ("dropped_outputs", "summary_errors")  # change as the run goes
+_COUNTERS = ("dropped_outputs", "summary_errors", "skipped_traces", "removed_timelines", "fired")  # change as it runs
 
 
 def _setting(value: Any) -> Any:
@@ -338,6 +338,9 @@ def _setting(value: Any) -> Any:
         digest = hashlib.sha1(code.co_code + repr(code.co_consts).encode()).hexdigest()[:8]
         return f"{getattr(value, '__module__', '')}.{getattr(value, '__qualname__', '')}@" \
                f"{os.path.basename(code.co_filename)}:{code.co_firstlineno}#{digest}"
+    settings = getattr(value, "settings", None)  # a hookprof trigger: its class and arguments
+    if callable(settings) and getattr(type(value), "__module__", "").startswith("hookprof"):
+        return type(value).__qualname__, _setting(settings())
     if isinstance(value, (list, tuple)):
         return tuple(_setting(item) for item in value)
     if isinstance(value, dict):

@@ -257,3 +257,31 @@ def test_slow_step_ignores_steps_not_judged_and_waits_for_min_steps():
 def test_bad_trigger_arguments_are_named_before_training(make, message):
     with pytest.raises((TypeError, ValueError), match=message):
         make()
+
+
+class SkipsLastBatch(Planted):
+    """Returns None (Lightning's way to skip a batch) for each epoch's last batch: that step has no loss."""
+
+    def training_step(self, batch, batch_idx):
+        return None if batch_idx == 7 else super().training_step(batch, batch_idx)
+
+
+def test_a_step_without_the_fetched_value_leaves_the_run_alone(tmp_path, caplog):
+    from lightning_prof import ProfilerHook
+
+    hook = ProfilerHook(triggers=[NonFinite("loss"), LossSpike()], output_dir=str(tmp_path), tensorboard=False)
+    with caplog.at_level(logging.WARNING, logger="hookprof"):
+        fit_lightning(tmp_path, hook, 24, SkipsLastBatch())  # 8 batches an epoch, the 8th skipped
+    assert hook.hook.fired == {}
+    said = [r.getMessage() for r in caplog.records if "cannot read" in r.getMessage()]
+    assert len(said) == 1 and "'loss'" in said[0] and "KeyError" in said[0], said  # once for the shared fetch
+
+
+def test_hooks_that_differ_only_in_their_triggers_are_two_checkpoint_states(tmp_path):
+    from lightning_prof import ProfilerHook
+
+    a = ProfilerHook(triggers=[SlowStep(factor=3.0)], output_dir=str(tmp_path), tensorboard=False)
+    b = ProfilerHook(triggers=[SlowStep(factor=5.0)], output_dir=str(tmp_path), tensorboard=False)
+    c = ProfilerHook(triggers=[SlowStep(factor=3.0)], output_dir=str(tmp_path), tensorboard=False)
+    assert a.state_key != b.state_key and a.state_key == c.state_key
+    trainer(str(tmp_path), [a, b], max_steps=1, logger=False)  # Lightning refuses two callbacks of one key

@@ -15,6 +15,7 @@ from hookprof._runtime.atomic_file import atomic_write, remove_stale_temps
 from hookprof._runtime.background import BACKGROUND, WRITES, BackgroundJob
 from hookprof._runtime.memory import allocated_bytes
 from hookprof.hooks.periodic_hook import PeriodicHook
+from hookprof.hooks.session import evaluate_fetches
 from hookprof.hooks.session_run_hook import RunOptions, SessionRunArgs, TraceLevel
 from hookprof.step_stats import DeviceStepStats, NodeExecStats, StepStats
 from hookprof.trace import format as fmt
@@ -142,7 +143,8 @@ class ProfilerHook(PeriodicHook):
         # (one fetch per name, read on the host once however many triggers read it)
         self._trigger_keys = [None if t.fetch is None else f"fetch:{t.fetch}" if isinstance(t.fetch, str)
                               else f"fetch#{i}" for i, t in enumerate(self.triggers)]
-        self._trigger_fetches = {key: t.fetch for key, t in zip(self._trigger_keys, self.triggers) if key}
+        self._trigger_fetches = {key: _TriggerFetch(t.fetch) for key, t in zip(self._trigger_keys, self.triggers)
+                                 if key}
         self._trigger_fetches["batch_idx"] = _batch_index
         self._reads_memory = any(t.reads_memory for t in self.triggers)
         self._window = max((t.window for t in self.triggers), default=0) + 1  # the firing step and those before
@@ -252,6 +254,11 @@ class ProfilerHook(PeriodicHook):
         observation = StepObservation(step, record.seconds if judged else None, None,
                                       *(memory if memory is not None else (None, "")))
         values = {key: host_scalar(value) for key, value in results.items()}
+        for key, fetch in self._trigger_fetches.items():
+            if isinstance(fetch, _TriggerFetch) and fetch.error is not None:  # the triggers reading it sit out
+                self._warn_once(f"fetch:{key}", "Triggers cannot read %r on every step (%s: %s); they sit out "
+                                "those steps.", fetch.fetch, type(fetch.error).__name__, fetch.error)
+                fetch.error = None
         fires = []
         for i, (trigger, key) in enumerate(zip(self.triggers, self._trigger_keys)):
             observation.value = values.get(key)
@@ -279,7 +286,7 @@ class ProfilerHook(PeriodicHook):
         """The timelines written so far and still kept (`keep_last`), oldest first (waits for one still being
         written)."""
         self.flush()
-        return self._saved_paths
+        return list(self._saved_paths)
 
     def flush(self) -> None:
         """Wait until every traced step so far is on disk (files, TensorBoard, the Profiler)."""
@@ -290,17 +297,20 @@ class ProfilerHook(PeriodicHook):
             self._writes.clear()
 
     def _room_to_write(self) -> bool:
-        """Whether fewer than MAX_PENDING_WRITES of this hook's rendered steps wait for the disk (after giving a
-        full queue WRITE_GRACE_SECONDS)."""
+        """Whether fewer than MAX_PENDING_WRITES of this hook's traced steps are still to reach the disk (being
+        rendered, or rendered and waiting), after giving a full queue WRITE_GRACE_SECONDS."""
         writes = self._writes
-        while writes and writes[0].done:
-            writes.popleft()
-        if len(writes) < MAX_PENDING_WRITES:
+
+        def pending() -> int:
+            while writes and writes[0].done:
+                writes.popleft()
+            return len(writes) + (self._pending is not None and not self._pending.done)
+
+        if pending() < MAX_PENDING_WRITES:
             return True
-        writes[0].wait(WRITE_GRACE_SECONDS)
-        while writes and writes[0].done:
-            writes.popleft()
-        return len(writes) < MAX_PENDING_WRITES
+        if writes:
+            writes[0].wait(WRITE_GRACE_SECONDS)
+        return pending() < MAX_PENDING_WRITES
 
     def timeline_path(self, step: int, rank: int = 0, world_size: int = 1) -> str:
         """The file a traced `step` is written to."""
@@ -360,6 +370,8 @@ class ProfilerHook(PeriodicHook):
         if result.truncated:
             self._warn_once("truncated", "Timeline %s was cut at max_events=%d events; raise max_events to keep "
                             "whole steps.", path, self.max_events)
+        if path in self._saved_paths:  # written again (a second fit from step 0 into the same directory)
+            self._saved_paths.remove(path)
         self._saved_paths.append(path)
         if self.keep_last is not None:
             self._retain(path)
@@ -492,6 +504,28 @@ def _with_recent_steps(stats: StepStats, capture: _Capture) -> StepStats:
     else:
         devices[host] = new
     return dataclasses.replace(stats, dev_stats=devices)
+
+
+class _TriggerFetch:
+    """A trigger's fetch, evaluated so that a step without the value (a skipped batch's empty outputs, a
+    metric not logged yet) gives None and notes why, rather than raising out of the callback."""
+
+    __slots__ = ("fetch", "error")
+
+    def __init__(self, fetch: Any) -> None:
+        self.fetch = fetch
+        self.error: Exception | None = None
+
+    def __call__(self, state: Any) -> Any:
+        try:
+            return evaluate_fetches(self.fetch, state)
+        except Exception as err:  # (a user's callable too: monitoring must not end the training run)
+            self.error = err
+            return None
+
+    def settings(self) -> Any:
+        """What tells two of these apart in a checkpoint key: the fetch."""
+        return self.fetch
 
 
 def _batch_index(state: Any) -> Any:

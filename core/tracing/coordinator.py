@@ -16,7 +16,7 @@ import logging
 import time
 from collections.abc import Hashable
 
-from hookprof._runtime.background import BACKGROUND
+from hookprof._runtime.background import BACKGROUND, WRITES
 from hookprof._runtime.warn_once import WarnOnce
 from hookprof.hooks.session_run_hook import RunMetadata, RunOptions
 from hookprof.step_stats import NodeExecStats, StepStats
@@ -55,7 +55,7 @@ class StepRecord:
         self.marks: list[tuple[str, int]] = []
         self.end: int | None = None
         self.traced = False  # a tracer ran in this step: its time is the tracer's as much as the step's
-        self.disturbed = disturbed  # hookprof's background work ran beside it
+        self.disturbed = disturbed  # hookprof's background work (converting, writing) ran beside it
 
     @property
     def seconds(self) -> float:
@@ -109,7 +109,7 @@ class StepTraceCoordinator:
         """A watched step starts now (its hooks' `before_run`): open its record (once per step)."""
         if self.recent.maxlen and self._record is None:
             self.last_record = None
-            self._record = StepRecord(self._last_step_end_ns, time.time_ns(), BACKGROUND.busy)
+            self._record = StepRecord(self._last_step_end_ns, time.time_ns(), BACKGROUND.busy or WRITES.busy)
 
     def new_run(self) -> None:
         """Training (re)starts: a trace left running by an unfinished step of a previous run is stopped, and
@@ -178,7 +178,7 @@ class StepTraceCoordinator:
         record = self._record
         if record is not None:
             record.end, self._record = end_ns, None
-            record.disturbed = record.disturbed or BACKGROUND.busy
+            record.disturbed = record.disturbed or BACKGROUND.busy or WRITES.busy
             self.recent.append(record)
             self.last_record = record
         current = self._current

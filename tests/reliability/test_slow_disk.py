@@ -107,10 +107,11 @@ def test_a_slow_disk_skips_traces_rather_than_stalling_or_growing(slow_dir, tmp_
     # training was not held up by the disk: waiting for each file (1 s) would add (steps - 1) s to the fast fit
     assert result["seconds"] < result["fast_seconds"] + (steps - 1) / 2, result
     assert MAX_PENDING_WRITES == 2  # (the bound the memory figure below assumes)
-    # memory stayed bounded: the skipped files, held, would have taken skipped x their size
+    # memory stayed bounded: the skipped files, held, would have taken skipped x their size (ru_maxrss is coarse:
+    # the step stats being rendered count too)
     size = min(result["fast_sizes"])
     assert size > 1_000_000
-    assert result["peak_growth"] < skipped * size / 4, (result["peak_growth"], skipped, size)
+    assert result["peak_growth"] < skipped * size / 2, (result["peak_growth"], skipped, size)
     # one warning; each file says how many steps were skipped before it, and the counts add up
     assert len(result["warnings"]) == 1 and slow_dir in result["warnings"][0]
     counts = []
