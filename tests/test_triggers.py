@@ -95,12 +95,15 @@ def test_a_slow_step_is_caught_and_the_next_step_traced_with_the_slow_steps_phas
     assert sum(1 for e in trace["traceEvents"] if e.get("name") == "ProfilerStep#31") == 1
 
 
-def test_a_nan_loss_fires_non_finite_once_within_the_cooldown(tmp_path):
+def test_a_nan_loss_fires_non_finite_once_within_the_cooldown(tmp_path, caplog):
     from lightning_prof import ProfilerHook
 
     hook = ProfilerHook(triggers=[NonFinite("loss")], capture_steps=2, cooldown_steps=100,
                         output_dir=str(tmp_path), tensorboard=False)
-    fit_lightning(tmp_path, hook, 40, Planted(at=12, problem="nan"))  # the loss stays NaN from step 12 on
+    with caplog.at_level(logging.WARNING, logger="hookprof"):
+        fit_lightning(tmp_path, hook, 40, Planted(at=12, problem="nan"))  # the loss stays NaN from step 12 on
+    said = [r.getMessage() for r in caplog.records if "fired" in r.getMessage()]
+    assert said == [f"non_finite fired at step 12 (loss = nan): tracing steps 13..14 into '{tmp_path}'."]
     assert [os.path.basename(p) for p in hook.saved_paths] == ["timeline-13.json", "timeline-14.json"]
     assert hook.hook.fired == {"non_finite": 1}
     for path in hook.saved_paths:

@@ -285,9 +285,3 @@ def run_metadata_events(stats: StepStats, tag: str, step: int) -> list[Any]:
     graph, metadata = graph_and_run_metadata(stats)
     return [new_event(step, graph_def=graph),
             new_event(step, tagged_run_metadata=TaggedRunMetadata(tag=tag, run_metadata=metadata))]
-
-
-def add_run_metadata(writer: Any, stats: StepStats, tag: str, step: int) -> None:
-    """Write the step's graph and its tagged run metadata to `writer` (an event sink: see `events`)."""
-    for event in run_metadata_events(stats, tag, step):
-        writer.add_event(event)
