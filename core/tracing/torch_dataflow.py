@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 from math import prod
 from typing import Any
 
@@ -70,19 +71,24 @@ class EventTree:
 
     def __init__(self, roots: Any, event_type: Any) -> None:
         allocation, torch_op = event_type.Allocation, event_type.TorchOp
-        self.ops: list[tuple[Any, int, list[Read]]] = []
+        reads = _Reads()
+        ops: list[tuple[int, Any, int, list[Read]]] = []
         events: list[tuple[int, Any, Any]] = []
         stack = list(roots)
+        # Each pybind accessor builds new Python objects (`fields.inputs` a whole list of them): read once each.
         while stack:
             event = stack.pop()
             kind, fields = event.typed
             if kind == allocation:
                 events.append((event.start_time_ns, fields, event))
             elif kind == torch_op:
-                self.ops.append((event, len(fields.inputs), _reads(fields)))
+                inputs = fields.inputs
+                ops.append((event.start_time_ns, event, len(inputs), reads(inputs)))
             stack.extend(event.children)
-        events.sort(key=lambda e: e[0])
-        self.ops.sort(key=lambda op: op[0].start_time_ns)
+        first = operator.itemgetter(0)
+        events.sort(key=first)
+        ops.sort(key=first)
+        self.ops: list[tuple[Any, int, list[Read]]] = [op[1:] for op in ops]
         self.allocations = [(start, fields) for start, fields, _ in events]
         self.blocks: dict[int, Block] = {}
         for start, fields, event in events:
@@ -112,19 +118,41 @@ class EventTree:
         return {**fits, **exact}
 
 
-def _reads(fields: Any) -> list[Read]:
-    """The op's tensor arguments that live in recorded memory, tensor lists flattened, in argument order."""
-    found = []
-    for position, value in enumerate(fields.inputs):
-        for tensor in value if isinstance(value, list) else (value,):
-            allocation_id = getattr(tensor, "allocation_id", None)
-            if allocation_id is not None and hasattr(tensor, "sizes"):
-                dtype = str(tensor.dtype).removeprefix("torch.")
-                shape = tuple(tensor.sizes)
-                itemsize = DTYPE_ITEMSIZE.get(dtype)
-                found.append((position, allocation_id, TensorDescription(
-                    dtype, shape, itemsize * prod(shape) if itemsize is not None else None)))
-    return found
+class _Reads:
+    """An op's tensor arguments that live in recorded memory (tensor lists flattened), in argument order, from
+    its `fields.inputs`. A step has few distinct (dtype, shape) pairs: each one's `TensorDescription` is made
+    once and shared (it is a value, never changed)."""
+
+    def __init__(self) -> None:
+        self._described: dict[tuple[Any, tuple[int, ...]], TensorDescription] = {}
+        # torch's tensor record type, to tell tensors from the scalars and lists among the inputs
+        self._tensor_type = private("torch._C._profiler", "_TensorMetadata")  # (else: duck typing, slower)
+
+    def __call__(self, inputs: list) -> list[Read]:
+        tensor_type = self._tensor_type
+        found = []
+        for position, value in enumerate(inputs):
+            for tensor in value if type(value) is list else (value,):
+                if type(tensor) is tensor_type:
+                    allocation_id = tensor.allocation_id
+                elif tensor_type is None and hasattr(tensor, "sizes"):
+                    allocation_id = getattr(tensor, "allocation_id", None)
+                else:
+                    continue
+                if allocation_id is None:
+                    continue
+                key = (tensor.dtype, tuple(tensor.sizes))
+                description = self._described.get(key)
+                if description is None:
+                    description = self._described[key] = _describe(*key)
+                found.append((position, allocation_id, description))
+        return found
+
+
+def _describe(dtype: Any, shape: tuple[int, ...]) -> TensorDescription:
+    name = str(dtype).removeprefix("torch.")
+    itemsize = DTYPE_ITEMSIZE.get(name)
+    return TensorDescription(name, shape, itemsize * prod(shape) if itemsize is not None else None)
 
 
 # ops that only hand out memory for the op around them: the allocation is credited to that op

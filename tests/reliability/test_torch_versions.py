@@ -68,6 +68,23 @@ def test_without_the_event_tree_the_trace_has_ops_but_no_dataflow_or_memory(monk
     assert "torch._C._profiler._EventType" in warning and "no dataflow arrows and no memory tracks" in warning
 
 
+def test_without_the_tensor_record_type_tensors_are_told_apart_by_their_fields(monkeypatch, caplog):
+    """The event tree's tensor arguments are recognised by their type (fast) or, without it, by their fields:
+    the same arrows, allocations and shapes, and nothing lost to warn about."""
+
+    def content(stats):
+        return ([(e.producer.node_name, e.consumer.node_name, e.tensor) for e in stats.edges],
+                [(a.nbytes, a.tensor) for a in stats.allocations],
+                {n.node_name: n.outputs for n in stats.all_nodes() if n.outputs})
+
+    with_type = content(traced_step())
+    monkeypatch.delattr(torch._C._profiler, "_TensorMetadata")
+    without = content(traced_step())
+    assert with_type[0] and with_type[1] and with_type[2]
+    assert without == with_type
+    assert warnings(caplog) == []
+
+
 def test_without_operator_schemas_in_place_writes_are_found_by_name(monkeypatch, caplog):
     assert written_arguments("aten::add", 4) == {3}  # add.out: `Tensor(a!) out`, from its schema
     written_arguments.cache_clear()
