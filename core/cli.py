@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import re
 import sys
 
 from hookprof.trace.merge import merge_timelines
@@ -131,7 +132,7 @@ def _profile_or_advise(args: argparse.Namespace) -> int:
     except OSError as err:  # the inputs are read: an OSError is writing --output's file
         raise _write_error(args, err) from None
     except (ValueError, TypeError) as err:
-        raise CommandError(str(err)) from None
+        raise _option_error(err) from None
     return 0
 
 
@@ -168,8 +169,14 @@ def _diff(args: argparse.Namespace) -> int:
     except OSError as err:
         raise _write_error(args, err) from None
     except (ValueError, TypeError) as err:
-        raise CommandError(str(err)) from None
+        raise _option_error(err) from None
     return 0
+
+
+def _option_error(err: Exception) -> CommandError:
+    """A view's option error as the command line spells it: `profile_diff: option 'order_by' ...` (the
+    Python API's words) becomes `--order-by ...`."""
+    return CommandError(re.sub(r"^\w+: option '(\w+)'", lambda m: "--" + m[1].replace("_", "-"), str(err)))
 
 
 def _traced(profiler) -> str:

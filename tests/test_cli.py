@@ -201,6 +201,17 @@ def test_profile_of_a_step_that_was_not_traced_lists_the_traced_steps(work):
     assert done.stdout == ""
 
 
+@pytest.mark.parametrize("flag, value, message", [
+    ("--order-by", "zzz", "hookprof profile: --order-by must be one of ["),
+    ("--select", "micros,zz", "hookprof profile: --select has unknown attribute(s) ['zz']; choose from ["),
+    ("--output", "tape:x", "hookprof profile: --output kind 'tape' is not one of ["),
+])
+def test_a_bad_view_option_is_named_as_its_flag(work, flag, value, message):
+    done = hookprof("profile", flag, value, *GOOD, cwd=work)
+    assert_fails_with(done, re.compile(re.escape(message) + r".*\.$"))
+    assert "option '" not in done.stderr and "profile_name_scope" not in done.stderr
+
+
 @pytest.fixture
 def saved_profile(work):
     """runs/run.prof: the two timelines' profile, as Profiler.serialize_to_string() writes it."""
@@ -239,7 +250,7 @@ def test_diff_of_a_saved_profile_names_a_missing_or_untraced_step(work, saved_pr
     assert_fails_with(hookprof("diff", *GOOD, GOOD[0], cwd=work),
                       "hookprof diff: give two timelines, or a saved profile and --steps A B (got 3 files)")
     assert_fails_with(hookprof("diff", *GOOD, "--order-by", "params", cwd=work), re.compile(
-        r"hookprof diff: diff: option 'order_by' must be 'name' or a figure of a step \[.+\], got 'params'\."))
+        r"hookprof diff: --order-by must be 'name' or a figure of a step \[.+\], got 'params'\."))
     done = hookprof("diff", saved_profile, "--steps", "2", "3", cwd=work)
     assert done.returncode == 0 and done.stderr == "", done.stderr
     assert done.stdout == hookprof("diff", *GOOD, cwd=work).stdout
