@@ -73,9 +73,11 @@ class RunMetadata:
     the stats get it when their tracer left it unset.
     """
 
-    def __init__(self, step_stats: Any = None, make_step_stats: Callable[[], Any] | None = None) -> None:
+    def __init__(self, step_stats: Any = None, make_step_stats: Callable[[], Any] | None = None,
+                 export_step: Callable[[], Any] | None = None) -> None:
         self._stats = step_stats  # hookprof.step_stats.StepStats
         self._make = make_step_stats
+        self._export = export_step
         self._lock = threading.Lock() if make_step_stats is not None else None
         self.step: int | None = None
 
@@ -98,6 +100,14 @@ class RunMetadata:
     def step_stats(self, value: Any) -> None:
         self._make = None
         self._stats = value
+
+    def export(self) -> Any:
+        """The unconverted step in a form another process can convert (picklable, with `to_stats()`), where
+        its tracer offers one and no one converted it here yet; else None (read `step_stats`). Raises
+        OSError when the export cannot be written."""
+        if self._export is None or self._make is None:
+            return None
+        return self._export()
 
     @property
     def converted(self) -> bool:

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import atexit
 import collections
+import dataclasses
 import logging
 import time
 from collections.abc import Hashable
+from typing import Any
 
 from hookprof._runtime.background import BACKGROUND, WRITES
 from hookprof._runtime.warn_once import WarnOnce
@@ -192,17 +194,22 @@ class StepTraceCoordinator:
                 current.metadata = RunMetadata()
                 return current.metadata
 
+            phases = _Phases(current.tracer.name, current.data_wait, list(current.marks), end_ns)
+
             def make_step_stats() -> StepStats | None:
                 try:
                     stats = recording()
                 except Exception:  # a conversion bug costs this trace, never the training run
                     self._warn_once("stop", "Collecting the traced step failed; it has no timeline.", exc_info=True)
                     return None
-                stats.metadata.setdefault("tracer", current.tracer.name)
-                _add_phase_spans(stats, current, end_ns)
-                return stats
+                return phases.add_to(stats)
 
-            current.metadata = RunMetadata(make_step_stats=make_step_stats)
+            def export_step() -> PhasedExport | None:
+                export = getattr(recording, "export", None)
+                exported = export() if export is not None else None
+                return None if exported is None else PhasedExport(exported, phases)
+
+            current.metadata = RunMetadata(make_step_stats=make_step_stats, export_step=export_step)
         return current.metadata
 
     def abort(self) -> None:
@@ -216,16 +223,44 @@ class StepTraceCoordinator:
                 log.exception("Stopping the %s tracer after a failed step raised", current.tracer.name)
 
 
-def _add_phase_spans(stats: StepStats, trace: _StepTrace, end_ns: int) -> None:
+@dataclasses.dataclass
+class _Phases:
+    """What the coordinator adds to a traced step's stats: the tracer's name and the step's phase spans."""
+
+    tracer: str
+    data_wait: tuple[int, int] | None
+    marks: list[tuple[str, int]]
+    end_ns: int
+
+    def add_to(self, stats: StepStats) -> StepStats:
+        stats.metadata.setdefault("tracer", self.tracer)
+        _add_phase_spans(stats, self.data_wait, self.marks, self.end_ns)
+        return stats
+
+
+@dataclasses.dataclass
+class PhasedExport:
+    """A traced step exported by its tracer (`to_stats()` converts it), with the coordinator's additions:
+    picklable, for the render worker (`hookprof._runtime.worker`)."""
+
+    exported: Any
+    phases: _Phases
+
+    def to_stats(self) -> StepStats:
+        return self.phases.add_to(self.exported.to_stats())
+
+
+def _add_phase_spans(stats: StepStats, data_wait: tuple[int, int] | None, marks: list[tuple[str, int]],
+                     end_ns: int) -> None:
     """Add the step's phases as nested spans on the host device's "Step" thread."""
     host = stats.device(HOST_DEVICE)
     host.thread_names.setdefault(STEP_THREAD_ID, fmt.STEP_PHASES_THREAD)
     spans = []
-    if trace.data_wait is not None:
-        spans.append((fmt.DATA_WAIT, *trace.data_wait))
-    step_start = trace.marks[0][1]
+    if data_wait is not None:
+        spans.append((fmt.DATA_WAIT, *data_wait))
+    step_start = marks[0][1]
     spans.append((fmt.TRAIN_STEP, step_start, end_ns))
-    spans += _phase_spans(step_start, trace.marks[1:] or _phases_seen(stats, step_start, end_ns), end_ns)
+    spans += _phase_spans(step_start, marks[1:] or _phases_seen(stats, step_start, end_ns), end_ns)
     for name, start, stop in spans:
         host.node_stats.append(
             NodeExecStats(

@@ -25,7 +25,7 @@ import dataclasses
 import functools
 import operator
 from math import prod
-from typing import Any
+from typing import Any, NamedTuple
 
 from hookprof.step_stats import DTYPE_ITEMSIZE, NodeExecStats, TensorDescription
 from hookprof.tracing.dataflow import OpData
@@ -34,14 +34,36 @@ from hookprof.tracing.torch_private import private, warn_missing
 Read = tuple[int, int, TensorDescription]  # (argument position, allocation id, the tensor as read)
 
 
+class Allocation(NamedTuple):
+    """One allocation (`nbytes` > 0) or free (`nbytes` < 0) event, with the allocator's totals after it."""
+
+    start_ns: int
+    allocation_id: int
+    nbytes: int
+    device: str  # this project's name: /host:CPU, /device:CUDA:0
+    total_allocated: int
+    total_reserved: int
+
+
+def device_name(device: Any) -> str:
+    """torch's `cpu` / `cuda:0` as this project's device names `/host:CPU` / `/device:CUDA:0`."""
+    text = str(device)
+    if text.startswith("cpu"):
+        return "/host:CPU"
+    kind, _, index = text.partition(":")
+    return f"/device:{kind.upper()}:{index or 0}"
+
+
 @dataclasses.dataclass(slots=True)
 class Block:
-    """One allocation of the step: its bytes, when it was made and freed (None: it outlived the trace),
-    and the op event it was made in (None when no op encloses it)."""
+    """One allocation of the step: its bytes, when it was made and freed (None: it outlived the trace), the
+    op it was made in (its profiler id, the op node's `external_id`; None when no op encloses it) and the
+    ops around that one, innermost first."""
 
     nbytes: int
     start_ns: int
-    op: Any
+    op: int | None
+    outer: tuple[int, ...] = ()
     free_ns: int | None = None
 
     def outlives(self, node: NodeExecStats) -> bool:
@@ -65,14 +87,15 @@ def event_tree(results: Any) -> EventTree | None:
 
 
 class EventTree:
-    """One pass over the profiler's event tree: its ops in start order, each with its argument count and
-    the tensors it read; its allocation and free events in time order, as (time, fields); and each
-    allocation as a `Block`, by allocation id. Made by `event_tree`."""
+    """One pass over the profiler's event tree, kept as plain values (it pickles: the render worker gets it):
+    its ops in start order, each as (profiler id, the tensors it read, the argument positions it writes);
+    its allocation and free events in time order, as `Allocation`s; and each allocation as a `Block`, by
+    allocation id. Made by `event_tree`."""
 
     def __init__(self, roots: Any, event_type: Any) -> None:
         allocation, torch_op = event_type.Allocation, event_type.TorchOp
         reads = _Reads()
-        ops: list[tuple[int, Any, int, list[Read]]] = []
+        ops: list[tuple[int, int, list[Read], frozenset[int]]] = []
         events: list[tuple[int, Any, Any]] = []
         stack = list(roots)
         # Each pybind accessor builds new Python objects (`fields.inputs` a whole list of them): read once each.
@@ -83,17 +106,31 @@ class EventTree:
                 events.append((event.start_time_ns, fields, event))
             elif kind == torch_op:
                 inputs = fields.inputs
-                ops.append((event.start_time_ns, event, len(inputs), reads(inputs)))
+                found = reads(inputs)
+                written = written_arguments(event.name, len(inputs)) if found else frozenset()
+                ops.append((event.start_time_ns, event.correlation_id, found, written))
             stack.extend(event.children)
         first = operator.itemgetter(0)
         events.sort(key=first)
         ops.sort(key=first)
-        self.ops: list[tuple[Any, int, list[Read]]] = [op[1:] for op in ops]
-        self.allocations = [(start, fields) for start, fields, _ in events]
+        self.ops: list[tuple[int, list[Read], frozenset[int]]] = [op[1:] for op in ops]
+        self.allocations: list[Allocation] = []
         self.blocks: dict[int, Block] = {}
+        devices: dict[str, str] = {}
         for start, fields, event in events:
+            device = str(fields.device)
+            device = devices.get(device) or devices.setdefault(device, device_name(device))
+            self.allocations.append(Allocation(start, fields.allocation_id, fields.alloc_size, device,
+                                               fields.total_allocated, fields.total_reserved))
             if fields.alloc_size > 0:
-                self.blocks[fields.allocation_id] = Block(fields.alloc_size, start, allocating_op(event, torch_op))
+                op = allocating_op(event, torch_op)
+                outer = []
+                parent = None if op is None else op.parent
+                while parent is not None:
+                    outer.append(parent.correlation_id)
+                    parent = parent.parent
+                self.blocks[fields.allocation_id] = Block(fields.alloc_size, start,
+                                                          None if op is None else op.correlation_id, tuple(outer))
             else:
                 block = self.blocks.get(fields.allocation_id)
                 if block is not None:
@@ -106,7 +143,7 @@ class EventTree:
         blocks = self.blocks
         exact: dict[int, TensorDescription] = {}
         fits: dict[int, TensorDescription] = {}
-        for _, _, reads in self.ops:
+        for _, reads, _ in self.ops:
             for _, allocation_id, tensor in reads:
                 block, nbytes = blocks.get(allocation_id), tensor.nbytes
                 if block is None or nbytes is None or allocation_id in exact:
@@ -213,25 +250,22 @@ def step_dataflow(tree: EventTree, nodes_by_id: dict[int, NodeExecStats]) -> lis
     around: dict[int, list[TensorDescription]] = {}  # id(node) -> data an op inside it made
     for allocation_id, block in tree.blocks.items():
         tensor = held.get(allocation_id)
-        node = None if block.op is None else nodes_by_id.get(block.op.correlation_id)
+        node = None if block.op is None else nodes_by_id.get(block.op)
         if tensor is None or node is None or not block.outlives(node):
             continue  # data no op read (no edge can start there), or a temporary of its op
         made.setdefault(id(node), []).append((allocation_id, tensor))
-        outer = block.op.parent
-        while outer is not None:
-            outer_node = nodes_by_id.get(outer.correlation_id)
+        for outer in block.outer:
+            outer_node = nodes_by_id.get(outer)
             if outer_node is not None:
                 if not block.outlives(outer_node):
                     break
                 around.setdefault(id(outer_node), []).append(tensor)
-            outer = outer.parent
     ops: list[OpData] = []
-    for event, arity, reads in tree.ops:
-        node = nodes_by_id.get(event.correlation_id)
+    for op_id, reads, written in tree.ops:
+        node = nodes_by_id.get(op_id)
         if node is None:
             continue
         op = OpData(node, [(allocation_id, tensor) for _, allocation_id, tensor in reads], [])
-        written = written_arguments(node.op, arity) if reads else frozenset()
         if written:
             op.outputs = [(allocation_id, tensor) for position, allocation_id, tensor in reads if position in written]
             op.mutations = frozenset(range(len(op.outputs)))

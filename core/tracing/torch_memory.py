@@ -8,31 +8,20 @@ is the op event's record-function id). What an allocation held is the first read
 
 from __future__ import annotations
 
-from typing import Any
-
 from hookprof.step_stats import AllocatorSample, NodeExecStats, StepStats, TensorAllocation
 from hookprof.tracing.torch_dataflow import EventTree
-
-
-def device_name(device: Any) -> str:
-    """torch's `cpu` / `cuda:0` as this project's device names `/host:CPU` / `/device:CUDA:0`."""
-    text = str(device)
-    if text.startswith("cpu"):
-        return "/host:CPU"
-    kind, _, index = text.partition(":")
-    return f"/device:{kind.upper()}:{index or 0}"
 
 
 def add_allocations(tree: EventTree, stats: StepStats, nodes_by_id: dict[int, NodeExecStats]) -> None:
     """Fill `stats.allocations` and `stats.memory_samples` from the profiler's event tree of the step."""
     held = tree.held
-    for start, fields in tree.allocations:
-        device = device_name(fields.device)
-        stats.memory_samples.append(AllocatorSample(device, start, fields.total_allocated, fields.total_reserved))
-        if fields.alloc_size > 0:
-            block = tree.blocks[fields.allocation_id]
-            record = TensorAllocation(fields.allocation_id, device, block.nbytes, start,
-                                      producer=None if block.op is None else nodes_by_id.get(block.op.correlation_id))
-            record.tensor = held.get(fields.allocation_id)
+    for event in tree.allocations:
+        stats.memory_samples.append(AllocatorSample(event.device, event.start_ns, event.total_allocated,
+                                                    event.total_reserved))
+        if event.nbytes > 0:
+            block = tree.blocks[event.allocation_id]
+            record = TensorAllocation(event.allocation_id, event.device, block.nbytes, event.start_ns,
+                                      producer=None if block.op is None else nodes_by_id.get(block.op))
+            record.tensor = held.get(event.allocation_id)
             record.free_ns = block.free_ns
             stats.allocations.append(record)

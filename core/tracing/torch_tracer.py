@@ -13,43 +13,25 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import re
+import tempfile
+import threading
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
+from hookprof._runtime.atomic_file import remove_stale_temps, temp_path_for
 from hookprof._runtime.gc_pause import paused_gc
 from hookprof.hooks.session_run_hook import RunOptions, TraceLevel
 from hookprof.naming import root_label
-from hookprof.step_stats import NodeExecStats, StepStats
-from hookprof.trace import format as fmt
-from hookprof.tracing.dataflow import find_edges
-from hookprof.tracing.torch_dataflow import event_tree, step_dataflow
-from hookprof.tracing.torch_memory import add_allocations
+from hookprof.step_stats import StepStats
+from hookprof.tracing.kineto_trace import MODULE_PREFIX, KinetoExport
+from hookprof.tracing.torch_dataflow import event_tree
 from hookprof.tracing.torch_private import profiler_enabled, record_function_class, unsupported_torch
-from hookprof.tracing.tracer import HOST_DEVICE, Tracer, TracerUnavailable
+from hookprof.tracing.tracer import Tracer, TracerUnavailable
 
 log = logging.getLogger(__name__)
-
-MODULE_PREFIX = "module::"
-_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")  # CPython's repr of an object: `<... object at 0x7f3fd32cea40>`
-BACKWARD_PREFIX = "autograd::engine::evaluate_function: "
-OPTIMIZER_PREFIXES = ("Optimizer.step#", "Optimizer.zero_grad#")
-
-# torch's C++ type names as the profiler reports them -> the dtype names this project writes.
-_TORCH_DTYPES = {
-    "float": "float32", "double": "float64", "c10::Half": "float16", "c10::BFloat16": "bfloat16",
-    "long int": "int64", "int": "int32", "short int": "int16", "signed char": "int8",
-    "unsigned char": "uint8", "bool": "bool", "c10::complex<float>": "complex64",
-    "c10::complex<double>": "complex128", "c10::Float8_e4m3fn": "float8_e4m3fn",
-    "c10::Float8_e5m2": "float8_e5m2", "unsigned short": "uint16", "unsigned int": "uint32",
-    "unsigned long": "uint64",
-}
-_KERNEL_ACTIVITIES = {"kernel", "gpu_memcpy", "gpu_memset", "concurrent_kernel"}
-_RUNTIME_ACTIVITIES = {"cuda_runtime", "cuda_driver"}
-_HOST_ACTIVITIES = {"cpu_op", "user_annotation"} | _RUNTIME_ACTIVITIES
-
 
 def _module_label(module: Any, local_names: dict[int, str]) -> str:
     """The name a module call gets in scopes: its attribute name in the model, else its own `name`/class."""
@@ -187,155 +169,60 @@ class TorchTracer(Tracer):
 
 
 class _Recording:
-    """A stopped step's kineto results, converted to `StepStats` when called. Safe to call on another
-    thread: the results no longer change once the profiler stopped."""
+    """A stopped step's kineto results: `export()` writes them out once (kineto's own C++ export, which a
+    result allows once) for conversion anywhere, the render worker included; calling the recording converts
+    them here. Safe to call from several threads: the export is made once, under a lock."""
 
     def __init__(self, results: Any, options: RunOptions) -> None:
         self._results = results
         self._options = options
+        self._exported: KinetoExport | None = None
+        self._lock = threading.Lock()
+
+    def export(self) -> KinetoExport | None:
+        """The step in kineto's JSON export (a temporary file, removed once the returned export is garbage)
+        and, for dataflow or memory, the compact event tree; None when there are no results. Raises OSError
+        when the file cannot be written."""
+        with self._lock:
+            results = self._results
+            if results is None:
+                return self._exported
+            options = self._options
+            path = _export_path()
+            try:
+                results.save(path)
+                with paused_gc():
+                    # (None where this torch has no event tree)
+                    tree = event_tree(results) if options.record_dataflow or options.record_memory else None
+            except BaseException:
+                _remove(path)
+                raise
+            exported = KinetoExport(path, results.trace_start_ns(), options, str(torch.__version__), tree)
+            weakref.finalize(exported, _remove, path)
+            self._exported, self._results = exported, None  # (kineto's copy is freed now)
+            return exported
 
     def __call__(self) -> StepStats:
-        results, self._results = self._results, None
-        stats = StepStats(metadata={"torch_version": torch.__version__})
-        if results is not None:
-            with paused_gc():
-                self._collect(results, stats)
-        return stats
-
-    def _collect(self, results: Any, stats: StepStats) -> None:
-        options = self._options
-        stats.metadata["trace_start_ns"] = results.trace_start_ns()
-        want_ids = options.record_dataflow or options.record_memory
-        by_external_id = _convert(results.events(), stats, want_ids, options.with_stack)
-        tree = event_tree(results) if want_ids else None  # (None where this torch has no event tree)
-        if tree is not None:
-            if options.record_dataflow:
-                stats.edges = find_edges(step_dataflow(tree, by_external_id))
-            if options.record_memory:
-                add_allocations(tree, stats, by_external_id)
+        exported = self.export()
+        if exported is None:
+            return StepStats(metadata={"torch_version": torch.__version__})
+        return exported.to_stats()
 
 
-def _convert(events: list, stats: StepStats, want_ids: bool = False, with_stack: bool = False
-             ) -> dict[int, NodeExecStats]:
-    """Turn kineto events into NodeExecStats: scopes from module spans, phases from autograd and optimizer.
-
-    Each pybind accessor costs about a microsecond and `shapes()` + `dtypes()` about eight, so every field
-    is read once, and only for the events that need it. With `with_stack`, each op gets its Python call
-    stack (`args["stack"]`, outermost frame first) from the Python-function spans enclosing it on its
-    thread. With `want_ids`, returns the op nodes by their profiler id (the event tree's link to them: its
-    ops' `correlation_id`).
-    """
-    by_external_id: dict[int, NodeExecStats] = {}
-    host = stats.device(HOST_DEVICE)
-    rows = []
-    backward_end = 0  # the end of the step's last backward op: what starts after it is the optimizer's
-    host_activities = _HOST_ACTIVITIES | {"python_function"} if with_stack else _HOST_ACTIVITIES
-    for ev in events:
-        activity = ev.activity_type()
-        if activity in host_activities:
-            start, dur, name = ev.start_ns(), ev.duration_ns(), ev.name()
-            if name.startswith(BACKWARD_PREFIX):
-                backward_end = max(backward_end, start + dur)
-            elif name.startswith(MODULE_PREFIX):  # the fast C++ span reports itself as an op
-                activity = "user_annotation"
-            rows.append((start, -dur, ev.start_thread_id(), len(rows), activity, name, ev))
-        elif activity in _KERNEL_ACTIVITIES:
-            _add_kernel(ev, activity, stats)
-    rows.sort()
-
-    # per thread, the open events: (end_ns, scope, phase, optimizer scope)
-    stacks: dict[int, list[tuple[int, str, str, str]]] = {}
-    forward_scopes: dict[tuple[int, int], str] = {}  # (thread, autograd sequence nr) -> scope
-    name_counts: dict[str, int] = {}
-    nodes = host.node_stats
-    dtype_names = _TORCH_DTYPES
-    dtype_cache: dict[tuple, list[str]] = {}
-    frames: dict[int, list[tuple[int, str]]] = {}  # thread -> open Python frames (end_ns, "file(line): func")
-    for start, neg_dur, tid, _, activity, name, ev in rows:
-        dur = -neg_dur
-        if activity == "python_function":
-            open_frames = frames.setdefault(tid, [])
-            while open_frames and open_frames[-1][0] <= start:
-                open_frames.pop()
-            # a built-in method's name carries its object's address: dropped, so a call site is one frame
-            open_frames.append((start + dur, _ADDRESS.sub("", name) if " at 0x" in name else name))
-            continue
-        stack = stacks.get(tid)
-        if stack is None:
-            stack = stacks[tid] = []
-            host.thread_names.setdefault(tid, f"CPU thread {tid}")
-        while stack and stack[-1][0] <= start:
-            stack.pop()
-        scope, phase, optimizer = stack[-1][1:] if stack else ("", "", "")
-        category = fmt.CAT_OP
-        op = name
-        shapes = dtypes = args = None
-        if activity == "cpu_op":
-            if name.startswith(BACKWARD_PREFIX):
-                phase = "backward"
-                scope = forward_scopes.get((ev.fwd_thread_id(), ev.sequence_nr()), scope)
-            else:
-                shapes = ev.shapes()
-                if shapes:
-                    raw = tuple(ev.dtypes())
-                    dtypes = dtype_cache.get(raw)
-                    if dtypes is None:  # a step has few distinct signatures: map each once, share the list
-                        dtypes = dtype_cache[raw] = [dtype_names.get(d, d) for d in raw]
-                flops = ev.flops()
-                if flops:
-                    args = {"flops": flops}
-            if with_stack:
-                open_frames = frames.get(tid)
-                while open_frames and open_frames[-1][0] <= start:
-                    open_frames.pop()
-                if open_frames:
-                    args = {**(args or {}), "stack": [frame for _, frame in open_frames]}
-        elif activity == "user_annotation":
-            category = fmt.CAT_SPAN
-            if name.startswith(MODULE_PREFIX):
-                op = name[len(MODULE_PREFIX):]
-                scope = f"{scope}/{op}" if scope else op
-                category = fmt.CAT_MODULE
-            elif name.startswith(OPTIMIZER_PREFIXES):
-                # Lightning runs the whole closure (forward, backward) inside Optimizer.step, so the step
-                # span only names the optimizer; the ops after backward inside it are the update.
-                # zero_grad is all optimizer work.
-                optimizer = "optimizer/" + name.split("#", 1)[1].split(".", 1)[0]
-                if name.startswith("Optimizer.zero_grad#"):
-                    phase, scope = "optimizer", optimizer
-        else:  # cudaLaunchKernel & co.: the launch end of a launch -> kernel arrow
-            category = fmt.CAT_RUNTIME
-            args = {"correlation": ev.correlation_id()}
-        if not phase:
-            phase = "optimizer" if backward_end and start >= backward_end else "forward"
-        if phase == "forward" and category == fmt.CAT_OP:
-            seq = ev.sequence_nr()
-            if seq >= 0 and (tid, seq) not in forward_scopes:
-                forward_scopes[(tid, seq)] = scope
-        if phase == "optimizer" and not scope:
-            scope = optimizer or "optimizer"
-        stack.append((start + dur, scope, phase if phase != "forward" else "", optimizer))
-
-        base = scope if category == fmt.CAT_MODULE else (f"{scope}/{op}" if scope else op)
-        count = name_counts.get(base, 0)
-        name_counts[base] = count + 1
-        node = NodeExecStats(
-            f"{base}_{count}" if count else base, op, start, dur, tid, scope, phase, shapes, dtypes,
-            None, category, args,
-        )
-        nodes.append(node)
-        if want_ids and activity == "cpu_op":
-            by_external_id[ev.external_id()] = node
-    return by_external_id
+_STALE_REMOVED = False
 
 
-def _add_kernel(ev: Any, activity: str, stats: StepStats) -> None:
-    device = stats.device(f"/device:CUDA:{ev.device_index()}")
-    stream = ev.device_resource_id()
-    device.thread_names.setdefault(stream, f"stream {stream}")
-    device.node_stats.append(
-        NodeExecStats(
-            node_name=ev.name(), op=ev.name(), start_ns=ev.start_ns(), duration_ns=ev.duration_ns(),
-            thread_id=stream, category=fmt.CAT_KERNEL, args={"correlation": ev.correlation_id(), "kind": activity},
-        )
-    )
+def _export_path() -> str:
+    """A fresh temporary path for a step's export, named so that `remove_stale_temps` knows it; the first
+    time, the exports of processes that died before removing theirs are removed."""
+    global _STALE_REMOVED
+    directory = tempfile.gettempdir()
+    if not _STALE_REMOVED:
+        _STALE_REMOVED = True
+        remove_stale_temps(directory)
+    return temp_path_for(os.path.join(directory, "hookprof-step.json"))
+
+
+def _remove(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(path)

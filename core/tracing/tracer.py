@@ -34,7 +34,11 @@ class Tracer(abc.ABC):
 
     def stop_recording(self) -> Callable[[], StepStats]:
         """End recording now and return what converts the recording into `StepStats`, which may run later,
-        on another thread. Tracers whose conversion costs override it; by default `stop()` does all now."""
+        on another thread. Tracers whose conversion costs override it; by default `stop()` does all now.
+
+        The recording may also have an `export()` method returning a picklable object with `to_stats()`: the
+        step in a form another process converts (`ProfilerHook` hands it to the render worker,
+        `hookprof._runtime.worker`); its class must import without the framework."""
         stats = self.stop()
         return lambda: stats
 

@@ -1,0 +1,323 @@
+"""A traced step from kineto's own export (`_ProfilerResult.save`: Chrome-trace JSON written in C++), to
+`StepStats`, without torch: this module runs in the render worker (`hookprof._runtime.worker`) as well as in
+the training process. The exported file is the training process's: it removes it once its `KinetoExport` is
+garbage (`hookprof.tracing.torch_tracer`).
+
+`KinetoExport` is what leaves the training process: the exported file's path, the profiler's options, and,
+when dataflow or memory were recorded, the compact event tree (`hookprof.tracing.torch_dataflow.EventTree`:
+kineto's export has no tensor identities). `to_stats()` reads the file and converts it.
+
+The file gives every field `_convert` reads, with two differences from torch's in-process events:
+- threads are the operating system's thread ids (`tid`), as in torch's own exports;
+- flops are not exported: `flops()` computes them from the recorded shapes and arguments with the formulas of
+  torch's profiler (`torch/csrc/profiler/util.cpp`, `computeFlops`), for the ops it counts (`conv2d`, `mm`,
+  `addmm`, `bmm`, `baddbmm`, `mul`, `add`); a test holds them equal to torch's own on a real step.
+Timestamps are exact to the nanosecond: kineto writes them in microseconds with three decimals from a base
+(`baseTimeNanoseconds`) close enough that a double holds them whole.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+from hookprof._runtime.gc_pause import paused_gc
+from hookprof.hooks.session_run_hook import RunOptions
+from hookprof.step_stats import NodeExecStats, StepStats
+from hookprof.trace import format as fmt
+from hookprof.tracing.dataflow import find_edges
+from hookprof.tracing.torch_dataflow import EventTree, step_dataflow
+from hookprof.tracing.torch_memory import add_allocations
+from hookprof.tracing.tracer import HOST_DEVICE
+
+MODULE_PREFIX = "module::"
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")  # CPython's repr of an object: `<... object at 0x7f3fd32cea40>`
+BACKWARD_PREFIX = "autograd::engine::evaluate_function: "
+OPTIMIZER_PREFIXES = ("Optimizer.step#", "Optimizer.zero_grad#")
+
+# torch's C++ type names as the profiler reports them -> the dtype names this project writes.
+_TORCH_DTYPES = {
+    "float": "float32", "double": "float64", "c10::Half": "float16", "c10::BFloat16": "bfloat16",
+    "long int": "int64", "int": "int32", "short int": "int16", "signed char": "int8",
+    "unsigned char": "uint8", "bool": "bool", "c10::complex<float>": "complex64",
+    "c10::complex<double>": "complex128", "c10::Float8_e4m3fn": "float8_e4m3fn",
+    "c10::Float8_e5m2": "float8_e5m2", "unsigned short": "uint16", "unsigned int": "uint32",
+    "unsigned long": "uint64",
+}
+_KERNEL_ACTIVITIES = {"kernel", "gpu_memcpy", "gpu_memset", "concurrent_kernel"}
+_RUNTIME_ACTIVITIES = {"cuda_runtime", "cuda_driver"}
+_HOST_ACTIVITIES = {"cpu_op", "user_annotation"} | _RUNTIME_ACTIVITIES
+
+
+@dataclasses.dataclass
+class KinetoExport:
+    """A stopped step as kineto exported it, with what the file lacks; picklable, so it can be converted in
+    another process."""
+
+    path: str
+    trace_start_ns: int
+    options: RunOptions
+    torch_version: str
+    tree: EventTree | None = None  # when dataflow or memory were recorded (and this torch has the tree)
+
+    def to_stats(self) -> StepStats:
+        import orjson
+
+        stats = StepStats(metadata={"torch_version": self.torch_version, "trace_start_ns": self.trace_start_ns})
+        with open(self.path, "rb") as f:
+            raw = f.read()
+        options = self.options
+        want_ids = options.record_dataflow or options.record_memory
+        with paused_gc():
+            data = orjson.loads(raw)
+            by_external_id = _convert(_events(data), stats, want_ids, options.with_stack)
+            tree = self.tree
+            if tree is not None:
+                if options.record_dataflow:
+                    stats.edges = find_edges(step_dataflow(tree, by_external_id))
+                if options.record_memory:
+                    add_allocations(tree, stats, by_external_id)
+        return stats
+
+
+def _events(data: dict[str, Any]) -> list[_Event]:
+    base = data.get("baseTimeNanoseconds", 0)
+    return [_Event(event, base) for event in data.get("traceEvents", ()) if event.get("ph") == "X"]
+
+
+class _Event:
+    """One exported event with the accessors of torch's `_KinetoEvent` that `_convert` reads."""
+
+    __slots__ = ("_event", "_args", "_base")
+
+    def __init__(self, event: dict[str, Any], base: int) -> None:
+        self._event = event
+        self._args = event.get("args") or {}
+        self._base = base
+
+    def activity_type(self) -> str:
+        return self._event.get("cat", "")
+
+    def name(self) -> str:
+        return self._event["name"]
+
+    def start_ns(self) -> int:
+        return round(self._event["ts"] * 1000) + self._base
+
+    def duration_ns(self) -> int:
+        return round(self._event.get("dur", 0) * 1000)
+
+    def start_thread_id(self) -> int:
+        return self._event["tid"]
+
+    def fwd_thread_id(self) -> int:
+        return self._args.get("Fwd thread id", 0)
+
+    def sequence_nr(self) -> int:
+        return self._args.get("Sequence number", -1)
+
+    def shapes(self) -> list:
+        return self._args.get("Input Dims") or []
+
+    def dtypes(self) -> list:
+        return self._args.get("Input type") or []
+
+    def flops(self) -> int:
+        args = self._args
+        return flops(self._event["name"], args.get("Input Dims") or (), args.get("Input type") or (),
+                     args.get("Concrete Inputs") or ())
+
+    def external_id(self) -> int:
+        return self._args.get("External id", 0)
+
+    def correlation_id(self) -> int:
+        return self._args.get("correlation", 0)
+
+    def device_index(self) -> int:
+        return self._args.get("device", 0)
+
+    def device_resource_id(self) -> int:
+        return self._args.get("stream", self._event.get("tid", 0))
+
+
+_NOT_TENSORS = ("Scalar", "ScalarList", "TensorList", "GenericList", "")
+
+
+def _numel(shape: Any) -> int:
+    count = 1
+    for dim in shape:
+        count *= dim
+    return count
+
+
+def _int_list(text: str) -> list[int] | None:
+    try:
+        return [int(v) for v in text.strip("[]").split(",")]
+    except ValueError:
+        return None
+
+
+def flops(name: str, dims: Any, types: Any, concrete: Any) -> int:
+    """The floating-point operations torch's profiler counts for one op, from its input shapes (`Input Dims`),
+    types (`Input type`) and scalar arguments (`Concrete Inputs`); 0 for the ops it does not count."""
+    if name in ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm"):
+        first = 0 if name in ("aten::mm", "aten::bmm") else 1
+        if len(dims) < first + 2 or not dims[first] or not dims[first][-1]:
+            return 0
+        mat1, mat2 = dims[first], dims[first + 1]
+        count = _numel(mat1) // mat1[-1]
+        if name.endswith("bmm"):
+            if not mat1[0]:
+                return 0
+            count //= mat1[0]
+        return 2 * count * _numel(mat2)
+    if name in ("aten::mul", "aten::add"):  # the first argument's elements, when it is a tensor
+        return _numel(dims[0]) if dims and types and types[0] not in _NOT_TENSORS else 0
+    if name == "aten::conv2d":
+        if len(dims) < 7 or len(dims[0]) != 4 or len(dims[1]) != 4 or len(concrete) < 7:
+            return 0
+        stride, padding, dilation = (_int_list(concrete[i]) for i in (3, 4, 5))
+        try:
+            groups = int(concrete[6])
+        except ValueError:
+            return 0
+        if not (stride and padding and dilation and groups) or len(stride) != 2 or stride[0] * stride[1] == 0 \
+                or len(padding) != 2 or len(dilation) != 2:
+            return 0
+        (batch, channels, height, width), (out_channels, _, kernel_h, kernel_w) = dims[0], dims[1]
+        out_h = (height + 2 * padding[0] - dilation[0] * (kernel_h - 1) - 1) // stride[0] + 1
+        out_w = (width + 2 * padding[1] - dilation[1] * (kernel_w - 1) - 1) // stride[1] + 1
+        return 2 * batch * out_h * out_w * kernel_h * kernel_w * channels * out_channels // groups
+    return 0
+
+
+def _convert(events: list, stats: StepStats, want_ids: bool = False, with_stack: bool = False
+             ) -> dict[int, NodeExecStats]:
+    """Turn kineto events into NodeExecStats: scopes from module spans, phases from autograd and optimizer.
+
+    Each pybind accessor costs about a microsecond and `shapes()` + `dtypes()` about eight, so every field
+    is read once, and only for the events that need it. With `with_stack`, each op gets its Python call
+    stack (`args["stack"]`, outermost frame first) from the Python-function spans enclosing it on its
+    thread. With `want_ids`, returns the op nodes by their profiler id (the event tree's link to them: its
+    ops' `correlation_id`).
+    """
+    by_external_id: dict[int, NodeExecStats] = {}
+    host = stats.device(HOST_DEVICE)
+    rows = []
+    backward_end = 0  # the end of the step's last backward op: what starts after it is the optimizer's
+    host_activities = _HOST_ACTIVITIES | {"python_function"} if with_stack else _HOST_ACTIVITIES
+    for ev in events:
+        activity = ev.activity_type()
+        if activity in host_activities:
+            start, dur, name = ev.start_ns(), ev.duration_ns(), ev.name()
+            if name.startswith(BACKWARD_PREFIX):
+                backward_end = max(backward_end, start + dur)
+            elif name.startswith(MODULE_PREFIX):  # the fast C++ span reports itself as an op
+                activity = "user_annotation"
+            rows.append((start, -dur, ev.start_thread_id(), len(rows), activity, name, ev))
+        elif activity in _KERNEL_ACTIVITIES:
+            _add_kernel(ev, activity, stats)
+    rows.sort()
+
+    # per thread, the open events: (end_ns, scope, phase, optimizer scope)
+    stacks: dict[int, list[tuple[int, str, str, str]]] = {}
+    # per forward thread (the first one to run forward ops first): autograd sequence nr -> scope
+    forward_scopes: dict[int, dict[int, str]] = {}
+    name_counts: dict[str, int] = {}
+    nodes = host.node_stats
+    dtype_names = _TORCH_DTYPES
+    dtype_cache: dict[tuple, list[str]] = {}
+    frames: dict[int, list[tuple[int, str]]] = {}  # thread -> open Python frames (end_ns, "file(line): func")
+    for start, neg_dur, tid, _, activity, name, ev in rows:
+        dur = -neg_dur
+        if activity == "python_function":
+            open_frames = frames.setdefault(tid, [])
+            while open_frames and open_frames[-1][0] <= start:
+                open_frames.pop()
+            # a built-in method's name carries its object's address: dropped, so a call site is one frame
+            open_frames.append((start + dur, _ADDRESS.sub("", name) if " at 0x" in name else name))
+            continue
+        stack = stacks.get(tid)
+        if stack is None:
+            stack = stacks[tid] = []
+            host.thread_names.setdefault(tid, f"CPU thread {tid}")
+        while stack and stack[-1][0] <= start:
+            stack.pop()
+        scope, phase, optimizer = stack[-1][1:] if stack else ("", "", "")
+        category = fmt.CAT_OP
+        op = name
+        shapes = dtypes = args = None
+        if activity == "cpu_op":
+            if name.startswith(BACKWARD_PREFIX):
+                phase = "backward"
+                # The export names the forward thread by torch's own id, not the system's: the step's forward
+                # thread is the first to run forward ops (a forward spread over threads is not told apart).
+                seqs = next(iter(forward_scopes.values()), None)
+                if seqs is not None:
+                    scope = seqs.get(ev.sequence_nr(), scope)
+            else:
+                shapes = ev.shapes()
+                if shapes:
+                    raw = tuple(ev.dtypes())
+                    dtypes = dtype_cache.get(raw)
+                    if dtypes is None:  # a step has few distinct signatures: map each once, share the list
+                        dtypes = dtype_cache[raw] = [dtype_names.get(d, d) for d in raw]
+                flops = ev.flops()
+                if flops:
+                    args = {"flops": flops}
+            if with_stack:
+                open_frames = frames.get(tid)
+                while open_frames and open_frames[-1][0] <= start:
+                    open_frames.pop()
+                if open_frames:
+                    args = {**(args or {}), "stack": [frame for _, frame in open_frames]}
+        elif activity == "user_annotation":
+            category = fmt.CAT_SPAN
+            if name.startswith(MODULE_PREFIX):
+                op = name[len(MODULE_PREFIX):]
+                scope = f"{scope}/{op}" if scope else op
+                category = fmt.CAT_MODULE
+            elif name.startswith(OPTIMIZER_PREFIXES):
+                # Lightning runs the whole closure (forward, backward) inside Optimizer.step, so the step
+                # span only names the optimizer; the ops after backward inside it are the update.
+                # zero_grad is all optimizer work.
+                optimizer = "optimizer/" + name.split("#", 1)[1].split(".", 1)[0]
+                if name.startswith("Optimizer.zero_grad#"):
+                    phase, scope = "optimizer", optimizer
+        else:  # cudaLaunchKernel & co.: the launch end of a launch -> kernel arrow
+            category = fmt.CAT_RUNTIME
+            args = {"correlation": ev.correlation_id()}
+        if not phase:
+            phase = "optimizer" if backward_end and start >= backward_end else "forward"
+        if phase == "forward" and category == fmt.CAT_OP:
+            seq = ev.sequence_nr()
+            if seq >= 0:
+                forward_scopes.setdefault(tid, {}).setdefault(seq, scope)
+        if phase == "optimizer" and not scope:
+            scope = optimizer or "optimizer"
+        stack.append((start + dur, scope, phase if phase != "forward" else "", optimizer))
+
+        base = scope if category == fmt.CAT_MODULE else (f"{scope}/{op}" if scope else op)
+        count = name_counts.get(base, 0)
+        name_counts[base] = count + 1
+        node = NodeExecStats(
+            f"{base}_{count}" if count else base, op, start, dur, tid, scope, phase, shapes, dtypes,
+            None, category, args,
+        )
+        nodes.append(node)
+        if want_ids and activity == "cpu_op":
+            by_external_id[ev.external_id()] = node
+    return by_external_id
+
+
+def _add_kernel(ev: Any, activity: str, stats: StepStats) -> None:
+    device = stats.device(f"/device:CUDA:{ev.device_index()}")
+    stream = ev.device_resource_id()
+    device.thread_names.setdefault(stream, f"stream {stream}")
+    device.node_stats.append(
+        NodeExecStats(
+            node_name=ev.name(), op=ev.name(), start_ns=ev.start_ns(), duration_ns=ev.duration_ns(),
+            thread_id=stream, category=fmt.CAT_KERNEL, args={"correlation": ev.correlation_id(), "kind": activity},
+        )
+    )
