@@ -3,16 +3,17 @@
 peer, the cheapest way a torch user gets the same timeline), at each content level of ours (issue 19).
 
 Both trace the same steps: every step but the first (`save_steps=1`; the first step only starts the count),
-or every 10th (`save_steps=10`: 19-step fits, the 10th traced, nine untraced steps after it while our
-background thread works). Each figure is a fit's extra time over the same fit untraced, per traced step (a
-fit returns only once ProfilerHook's files are on disk). Content levels (the peer records shapes
-always, and memory for the last level):
+or every 10th (`save_steps=10`: 49-step fits, steps 10, 20, 30 and 40 traced, nine untraced steps after
+each while the render worker works; the fit's end waits for the last one). Each figure is a fit's extra
+time over the same fit untraced, per traced step (a fit returns only once ProfilerHook's files are on
+disk). Content levels (the peer records shapes always, and memory for the last level):
 - ops: `show_dataflow=False, tensorboard=False`;
 - ops + graph: `show_dataflow=False` (the TensorBoard `step_N` graph and run metadata on);
 - defaults: dataflow arrows and the TensorBoard step graph;
 - dataflow + memory: `show_memory=True, tensorboard=False` (the peer: `profile_memory=True`).
 Also timed, inside the same every-step fits: the training thread's wait for a traced step (our callback's
-batch end, where torch's profiler stops and the step is handed to the background thread) against the peer's
+batch end, where torch's profiler stops and the step is handed to the background thread, which has kineto
+export it and hands it to the render worker) against the peer's
 `prof.__exit__` (torch's profiler stop alone); our callback's batch start (it starts the profiler, after
 the previous traced step's background work is done); and the share of our traced step's own cost (the batch
 end plus the background job: conversion, timeline, TensorBoard events) spent building the step graph and run
@@ -49,7 +50,7 @@ from traced_fit_cost import MLP  # noqa: E402  (the same model of Linear(64, 64)
 
 FAST = os.environ.get("HOOKPROF_BENCH_FAST") == "1"
 # (layers, steps of an every-step fit, of an every-10th fit (0: none), rounds): about 2k, 20k and 300k events
-SIZES = ((40, 12, 19, 1), (400, 4, 19, 1)) if FAST else ((40, 12, 19, 5), (400, 4, 19, 3), (6400, 2, 0, 1))
+SIZES = ((40, 12, 49, 1), (400, 4, 49, 1)) if FAST else ((40, 12, 49, 5), (400, 4, 49, 3), (6400, 2, 0, 1))
 CONTENTS = {  # label: (ProfilerHook arguments, the peer records memory)
     "ops": ({"show_dataflow": False, "tensorboard": False}, False),
     "ops + graph": ({"show_dataflow": False}, False),
@@ -90,7 +91,8 @@ class TorchProfilerPeer(L.Callback):
 
 
 class TimedProfilerHook(ProfilerHook):
-    """ProfilerHook, timing its background job per traced step and the step graph inside it."""
+    """ProfilerHook, timing its background job per traced step and the step graph inside it (timed where it
+    is built, in the render worker or here: `_Rendered.graph_seconds`)."""
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
@@ -102,11 +104,11 @@ class TimedProfilerHook(ProfilerHook):
         super()._save(job)
         self.jobs.append(time.perf_counter() - start)
 
-    def _run_metadata_events(self, stats, tag, step):
-        start = time.perf_counter()
-        events = super()._run_metadata_events(stats, tag, step)
-        self.graphs.append(time.perf_counter() - start)
-        return events
+    def _render(self, job):
+        rendered = super()._render(job)
+        if rendered is not None and rendered.events is not None:
+            self.graphs.append(rendered.graph_seconds)
+        return rendered
 
 
 class TimedCallback(HookCallback):

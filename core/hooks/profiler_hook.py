@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import logging
 import os
+import tempfile
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from hookprof._runtime import arguments
+from hookprof._runtime import arguments, worker
 from hookprof._runtime.atomic_file import atomic_write, remove_stale_temps
 from hookprof._runtime.background import BACKGROUND, WRITES, BackgroundJob
 from hookprof._runtime.memory import allocated_bytes
@@ -18,6 +21,7 @@ from hookprof.hooks.periodic_hook import PeriodicHook
 from hookprof.hooks.session import evaluate_fetches
 from hookprof.hooks.session_run_hook import RunOptions, SessionRunArgs, TraceLevel
 from hookprof.step_stats import DeviceStepStats, NodeExecStats, StepStats
+from hookprof.tensorboard.events import EventWriter, SerializedEvent
 from hookprof.trace import format as fmt
 from hookprof.trace.writer import ChromeTraceWriter
 from hookprof.tracing import HOST_DEVICE, STEP_TRACES
@@ -33,6 +37,11 @@ DEFAULT_MAX_EVENTS = 2_000_000  # what Perfetto's and Chrome's JSON importers lo
 # writer thread may only be waiting for the GIL), so only a slow disk ever costs a trace.
 MAX_PENDING_WRITES = 2
 WRITE_GRACE_SECONDS = 0.05
+# Convert and render traced steps in the render worker process where one can run (`hookprof._runtime.worker`);
+# False keeps that work on the background thread of the training process.
+RENDER_WORKER = True
+_WORKER_MODULES = ("hookprof.hooks.profiler_hook", "hookprof.tracing.kineto_trace", "hookprof.tensorboard.graph",
+                   "tensorboard.compat.proto.event_pb2", "orjson")
 
 
 class ProfilerHook(PeriodicHook):
@@ -181,6 +190,12 @@ class ProfilerHook(PeriodicHook):
         if self.triggers and self._writes_here and not self._watching:
             STEP_TRACES.watch(self._window)  # keep the phases of the last steps, for a trigger's file
             self._watching = True
+        if self._writes_here and self._uses_worker():
+            with contextlib.suppress(OSError):  # (none to be had: the first traced step says so)
+                worker.WORKER.start(_WORKER_MODULES)  # its interpreter starts while the first steps run
+
+    def _uses_worker(self) -> bool:
+        return RENDER_WORKER and worker.AVAILABLE and self.profiler is None
 
     def _traces_step(self, global_step: int) -> bool:
         """Whether the step starting at `global_step` is one to trace (never the first: see after_run)."""
@@ -297,14 +312,14 @@ class ProfilerHook(PeriodicHook):
             self._writes.clear()
 
     def _room_to_write(self) -> bool:
-        """Whether fewer than MAX_PENDING_WRITES of this hook's traced steps are still to reach the disk (being
-        rendered, or rendered and waiting), after giving a full queue WRITE_GRACE_SECONDS."""
+        """Whether fewer than MAX_PENDING_WRITES of this hook's rendered steps wait for the disk, after giving a
+        full queue WRITE_GRACE_SECONDS."""
         writes = self._writes
 
         def pending() -> int:
             while writes and writes[0].done:
                 writes.popleft()
-            return len(writes) + (self._pending is not None and not self._pending.done)
+            return len(writes)  # (steps being rendered are the CPU's backlog: the next trace waits for them)
 
         if pending() < MAX_PENDING_WRITES:
             return True
@@ -319,22 +334,28 @@ class ProfilerHook(PeriodicHook):
         return os.path.join(self.output_dir or "", f"timeline-{int(step)}{suffix}{extension}")
 
     def _save(self, job: _Job) -> None:
-        """On the background thread: convert (if no one did yet) and render one traced step (the timeline's
-        bytes, the TensorBoard events), hand them to the disk's worker (`WRITES`), add the step to the
-        Profiler."""
-        stats = job.run_metadata.step_stats
-        if stats is None:
+        """On the background thread: render one traced step (the timeline's bytes, the TensorBoard events), in
+        the render worker where one can run (`hookprof._runtime.worker`), hand them to the disk's worker
+        (`WRITES`), add the step to the Profiler."""
+        rendered = self._render(job)
+        if rendered is None:
             return
-        trace = events = None
-        try:
-            file_stats = _with_recent_steps(stats, job.capture) if job.capture is not None else stats
-            trace = self._writer.render(file_stats, job.metadata, job.distributed)
-        except Exception:  # a bug of ours must not end the training run
+        if rendered.convert_error is not None:
+            self._warn_once("convert", "Collecting the traced step failed; it has no timeline.\n%s",
+                            rendered.convert_error)
+            return
+        if rendered.render_error is not None:
             self.dropped_outputs += 1
-            self._warn_once("render", "Could not render timeline %s; training goes on without it.", job.path,
-                            exc_info=True)
-        if job.events is not None:
-            events = self._run_metadata_events(stats, job.tag, job.step)
+            self._warn_once("render", "Could not render timeline %s; training goes on without it.\n%s", job.path,
+                            rendered.render_error)
+        if rendered.events_error == _NO_TENSORBOARD:
+            self._warn_once("no tensorboard", "The tensorboard package is not installed: timelines are written "
+                            "but not the step_N graphs; pip install tensorboard, or pass tensorboard=False.")
+        elif rendered.events_error is not None:
+            self.dropped_outputs += 1
+            self._warn_once("tb:render", "Could not build step_%d for TensorBoard.\n%s", job.step,
+                            rendered.events_error)
+        trace, events = rendered.trace, rendered.events
         if trace is not None or events:
             self._writes.append(WRITES.submit(lambda: self._store(job, trace, events)))
         if self.profiler is not None:
@@ -343,6 +364,35 @@ class ProfilerHook(PeriodicHook):
             except Exception:  # the Profiler's bug must not cost the timeline or the run
                 self._warn_once("profiler", "Profiler.add_step(%d) failed.", job.step, exc_info=True)
 
+    def _render(self, job: _Job) -> _Rendered | None:
+        """The traced step rendered: by the render worker from the tracer's export, or here (with a Profiler,
+        which wants the stats here; where no worker can run; when someone converted the step already)."""
+        run_metadata = job.run_metadata
+        if self._uses_worker():
+            try:
+                exported = run_metadata.export()
+            except OSError as err:  # no room in the temporary directory for kineto's export
+                self.dropped_outputs += 1
+                self._warn_once("export", "Could not export traced step %d to %s (%s); training goes on without "
+                                "its timeline (set TMPDIR to a disk with room).", job.step, tempfile.gettempdir(),
+                                err.strerror or err)
+                return None
+            if exported is not None:
+                try:
+                    with BACKGROUND.waiting_elsewhere():
+                        return worker.WORKER.call(render_step, exported, self._writer, job.spec)
+                except worker.WorkerFailed as err:
+                    self.dropped_outputs += 1
+                    self._warn_once("worker", "Could not render timeline %s: %s. Training goes on without it.",
+                                    job.path, str(err).strip())
+                    return None
+                except OSError as err:  # no process to be had: render here
+                    self._warn_once("no worker", "The render worker could not start (%s); timelines are rendered "
+                                    "in the training process.", err.strerror or err)
+                    return render_step(exported, self._writer, job.spec)
+        stats = run_metadata.step_stats
+        return None if stats is None else render_step(stats, self._writer, job.spec)
+
     def _store(self, job: _Job, trace: Any, events: list[Any] | None) -> None:
         """On the disk's worker: put a rendered step on disk (the timeline atomically, then its events)."""
         if trace is not None:
@@ -350,6 +400,8 @@ class ProfilerHook(PeriodicHook):
         if events:
             try:
                 for event in events:
+                    if isinstance(event, SerializedEvent) and not isinstance(job.events, EventWriter):
+                        event = event.proto()  # a sink passing events to someone else's writer
                     job.events.add_event(event)
             except Exception as err:  # TensorBoard output must not end the training run either
                 self.dropped_outputs += 1
@@ -397,20 +449,6 @@ class ProfilerHook(PeriodicHook):
             if old in self._saved_paths:
                 self._saved_paths.remove(old)
 
-    def _run_metadata_events(self, stats: Any, tag: str, step: int) -> list[Any] | None:
-        """TF's `add_run_metadata(run_metadata, "step_N")`: the graph and stats for TensorBoard, as events."""
-        try:
-            from hookprof.tensorboard import graph as tensorboard_graph
-
-            return tensorboard_graph.run_metadata_events(stats, tag, step)
-        except ImportError:
-            self._warn_once("no tensorboard", "The tensorboard package is not installed: timelines are written "
-                            "but not the step_N graphs; pip install tensorboard, or pass tensorboard=False.")
-        except Exception:  # a bug of ours must not end the training run
-            self.dropped_outputs += 1
-            self._warn_once("tb:render", "Could not build step_%d for TensorBoard.", step, exc_info=True)
-        return None
-
     def end(self, session: Any) -> None:
         start = self._run_start
         if start is not None and self._fired_in_run == 0 and self._writes_here and not self.triggers:
@@ -434,11 +472,77 @@ class ProfilerHook(PeriodicHook):
             self._watching = False
 
 
+_NO_TENSORBOARD = "no tensorboard"
+
+
+@dataclasses.dataclass
+class _RenderSpec:
+    """What rendering a traced step needs besides its stats and the writer (picklable, for the worker)."""
+
+    step: int
+    run_step: int | None  # the RunMetadata's step, for stats whose tracer left it unset
+    metadata: dict[str, Any]
+    distributed: dict[str, Any]
+    capture: _Capture | None
+    tag: str
+    events: bool  # whether to build the TensorBoard step graph and run metadata
+
+
+@dataclasses.dataclass
+class _Rendered:
+    """A traced step rendered: the timeline (bytes, result) and the TensorBoard events, or what failed (as
+    text: a worker's exceptions do not cross the pipe)."""
+
+    trace: tuple[Any, Any] | None = None
+    events: list[Any] | None = None
+    convert_error: str | None = None  # a traceback's text
+    render_error: str | None = None
+    events_error: str | None = None  # _NO_TENSORBOARD, or a traceback's text
+    graph_seconds: float = 0.0  # building the step graph and run metadata (the benchmarks read it)
+
+
+def render_step(source: Any, writer: ChromeTraceWriter, spec: _RenderSpec) -> _Rendered | None:
+    """A traced step's timeline bytes and TensorBoard events, from its `StepStats` or from an export to convert
+    (`to_stats()`); None when it has no stats. Runs in the render worker or on the background thread. The
+    events come serialized (`SerializedEvent`: what an event file holds; they cross the worker's pipe so)."""
+    rendered = _Rendered()
+    stats = source
+    if not isinstance(source, StepStats):
+        try:
+            stats = source.to_stats()
+        except Exception:  # a conversion bug costs this trace, never the training run
+            rendered.convert_error = traceback.format_exc()
+            return rendered
+    if stats is None:
+        return None
+    if stats.step is None:
+        stats.step = spec.run_step
+    try:
+        file_stats = _with_recent_steps(stats, spec.capture) if spec.capture is not None else stats
+        rendered.trace = writer.render(file_stats, spec.metadata, spec.distributed)
+    except Exception:  # a bug of ours must not end the training run
+        rendered.render_error = traceback.format_exc()
+    if spec.events:
+        start = time.perf_counter()
+        try:
+            from hookprof.tensorboard import graph as tensorboard_graph
+
+            events = tensorboard_graph.run_metadata_events(stats, spec.tag, spec.step)
+        except ImportError:
+            rendered.events_error = _NO_TENSORBOARD
+        except Exception:  # a bug of ours must not end the training run
+            rendered.events_error = traceback.format_exc()
+        else:
+            rendered.events = [SerializedEvent(e.SerializeToString()) for e in events]
+        rendered.graph_seconds = time.perf_counter() - start
+    return rendered
+
+
 class _Job:
     """One traced step to write, with where it goes fixed on the training thread when the step ended (a next
     fit may change the hook's directory and event stream before the background thread gets to it)."""
 
-    __slots__ = ("step", "run_metadata", "path", "metadata", "distributed", "events", "tag", "capture")
+    __slots__ = ("step", "run_metadata", "path", "metadata", "distributed", "events", "capture", "spec")
 
     def __init__(self, step: int, run_metadata: Any, session: Any, hook: ProfilerHook,
                  capture: _Capture | None) -> None:
@@ -461,7 +565,9 @@ class _Job:
             self.distributed["backend"] = backend
         self.events = hook._events if hook.tensorboard else None
         # ranks share the run directory: their tags must not collide
-        self.tag = f"step_{step}" if world_size == 1 else f"step_{step}_rank{rank}"
+        tag = f"step_{step}" if world_size == 1 else f"step_{step}_rank{rank}"
+        self.spec = _RenderSpec(step, run_metadata.step, self.metadata, self.distributed, capture, tag,
+                                self.events is not None)
 
 
 class _Capture:

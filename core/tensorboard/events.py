@@ -279,6 +279,27 @@ def new_event(step: int, **fields: Any) -> Any:
     return Event(step=int(step), wall_time=time.time(), **fields)
 
 
+class SerializedEvent:
+    """An `Event` serialized already (by the render worker, `hookprof._runtime.worker`): `EventWriter` writes
+    its bytes as they are; `proto()` parses it for a sink that wants the message."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    def SerializeToString(self) -> bytes:  # noqa: N802 (the protobuf method's name)
+        return self.data
+
+    def ByteSize(self) -> int:  # noqa: N802
+        return len(self.data)
+
+    def proto(self) -> Any:
+        from tensorboard.compat.proto.event_pb2 import Event
+
+        return Event.FromString(self.data)
+
+
 def add_summary(sink: Any, summary: Any, step: int) -> None:
     sink.add_event(new_event(step, summary=summary))
 

@@ -1,0 +1,209 @@
+"""The render worker: a second Python process that turns traced steps into files, off the training process.
+
+Converting a traced step and rendering its timeline and step graph cost several microseconds of Python per
+event. On a thread of the training process that work holds its GIL, so the training feels all of it, even
+when the trace is taken every 10th step. The worker does it in its own interpreter, on another core. The
+training process hands it a step as kineto's own export (a file torch's C++ writes, as `export_chrome_trace`
+does) plus the compact event tree for dataflow and memory (`hookprof.tracing.kineto_trace`), and gets back
+the bytes to write.
+
+`WORKER.call(fn, *args)` runs `fn(*args)` there and returns its result. `fn` must be a module-level function
+(pickled by name), and the arguments and result must pickle. The caller blocks reading a pipe, with the GIL
+released. Details:
+- The worker is a fresh interpreter running `main()` here, not a fork. A fork would copy the
+  training process page by page as it writes (measured: more than the work it moves). multiprocessing's
+  spawn re-imports the user's `__main__`, which may be a training script with no `__main__` guard.
+- It starts at the first call, or earlier with `start()`, and serves calls one at a time.
+- It ends when the training process closes its pipe (at exit) or dies.
+- Its hookprof log records come back with each result and are logged here, as if here.
+- A worker that dies mid-call (killed, out of memory) raises `WorkerFailed` here. The next call starts a
+  new one.
+- Linux and macOS only (`AVAILABLE`); elsewhere the caller does the work on its own thread.
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib
+import logging
+import os
+import pickle
+import select
+import signal
+import struct
+import subprocess
+import sys
+import threading
+import traceback
+from collections.abc import Callable
+from typing import IO, Any
+
+AVAILABLE = os.name == "posix"
+_LENGTH = struct.Struct("<Q")
+_POLL_SECONDS = 0.5  # how often a side waiting for the other checks that it still lives
+_EXIT_SECONDS = 5.0  # how long the training process's exit waits for the worker to finish a call
+
+log = logging.getLogger(__name__)
+
+
+class WorkerFailed(RuntimeError):
+    """The worker ended without a result (a signal, an exit), or the function raised there."""
+
+
+class Worker:
+    """The training process's side: starts the worker process on demand and calls functions there."""
+
+    def __init__(self) -> None:
+        self._process: subprocess.Popen | None = None
+        self._lock = threading.Lock()  # one call at a time (the pipe carries one conversation)
+
+    def start(self, preload: tuple[str, ...] = ()) -> None:
+        """Start the worker now, if not running, importing the `preload` modules while the caller goes on
+        (an interpreter and its imports take a second or so)."""
+        with self._lock:
+            self._started(preload)
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """`fn(*args)` in the worker. Raises `WorkerFailed` when the worker dies or `fn` raises there,
+        OSError when no worker can start."""
+        request = pickle.dumps((fn, args), protocol=pickle.HIGHEST_PROTOCOL)
+        with self._lock:
+            process = self._started()
+            try:
+                _send(process.stdin, request)
+                reply = _receive(process.stdout.fileno(), process)
+            except OSError:  # the worker's end of the pipe is gone: it died
+                reply = None
+            if reply is None:
+                self._process = None
+                raise WorkerFailed(_ended(process))
+        ok, value, records = pickle.loads(reply)
+        for record in records:
+            logging.getLogger(record.name).handle(record)
+        if not ok:
+            raise WorkerFailed(value)
+        return value
+
+    def _started(self, preload: tuple[str, ...] = ()) -> subprocess.Popen:
+        process = self._process
+        if process is None or process.poll() is not None:
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join(path for path in sys.path if path)}
+            code = f"from hookprof._runtime.worker import main; main({os.getpid()}, {tuple(preload)!r})"
+            process = self._process = subprocess.Popen(
+                [sys.executable, "-c", code],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, close_fds=True)
+        return process
+
+    def stop(self) -> None:
+        """End the worker (at the training process's exit): its pipe closes, it finishes and exits."""
+        process, self._process = self._process, None
+        if process is None:
+            return
+        try:
+            process.stdin.close()
+            process.wait(_EXIT_SECONDS)
+        except (OSError, subprocess.TimeoutExpired):
+            process.kill()
+
+    def _forget(self) -> None:
+        """In a forked child (a DataLoader worker): the worker is the parent's; this process starts its own
+        if it ever needs one."""
+        self._process = None
+        self._lock = threading.Lock()
+
+
+def _send(out: IO[bytes], data: bytes) -> None:
+    out.write(_LENGTH.pack(len(data)))
+    out.write(data)
+    out.flush()
+
+
+def _receive(fd: int, peer: subprocess.Popen | int) -> bytes | None:
+    """One length-prefixed message from `fd`; None when the other side ended before sending it whole (it
+    died, or closed the pipe). `peer`: the worker's process here, the training process's pid there."""
+    buffer = bytearray()
+    want = _LENGTH.size
+    while len(buffer) < want:
+        ready, _, _ = select.select([fd], [], [], _POLL_SECONDS)
+        if not ready:
+            if _gone(peer):
+                return None
+            continue
+        chunk = os.read(fd, max(want - len(buffer), 1 << 20))
+        if not chunk:
+            return None
+        buffer += chunk
+        if want == _LENGTH.size and len(buffer) >= want:
+            want += _LENGTH.unpack_from(buffer)[0]
+    return bytes(memoryview(buffer)[_LENGTH.size:want])
+
+
+def _gone(peer: subprocess.Popen | int) -> bool:
+    if isinstance(peer, int):
+        return os.getppid() != peer
+    return peer.poll() is not None
+
+
+def _ended(process: subprocess.Popen) -> str:
+    try:
+        status = process.wait(_POLL_SECONDS)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        return "the render worker stopped answering"
+    if status < 0:
+        return f"the render worker was killed by {signal.Signals(-status).name}"
+    return f"the render worker exited with status {status}"
+
+
+class _Records(logging.Handler):
+    """The worker's log records, made picklable (message formatted, traceback as text)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.exc_info and not record.exc_text:
+            record.exc_text = logging.Formatter().formatException(record.exc_info)
+        record.msg, record.args, record.exc_info = record.getMessage(), None, None
+        self.records.append(record)
+
+
+def main(parent: int, preload: tuple[str, ...] = ()) -> None:
+    """The worker's loop: a call in, its result out, until the training process closes the pipe or dies."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the training's to handle; the pipe ends us
+    for module in preload:
+        try:
+            importlib.import_module(module)
+        except ImportError:  # (said when a call needs it)
+            pass
+    requests = sys.stdin.buffer.fileno()
+    replies = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # a stray print must not corrupt the replies
+    records = _Records()
+    logger = logging.getLogger("hookprof")
+    logger.handlers, logger.propagate = [records], False
+    while True:
+        request = _receive(requests, parent)
+        if request is None:
+            return
+        try:
+            fn, args = pickle.loads(request)
+            result = (True, fn(*args), records.records)
+        except BaseException:  # (the caller says what failed)
+            result = (False, traceback.format_exc(), records.records)
+        try:
+            data = pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception:
+            data = pickle.dumps((False, traceback.format_exc(), records.records))
+        records.records = []
+        try:
+            _send(replies, data)
+        except OSError:  # the training process is gone
+            return
+
+
+WORKER = Worker()
+atexit.register(WORKER.stop)
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=WORKER._forget)

@@ -1,0 +1,250 @@
+"""Traced steps leave the training process: kineto's own export, converted and rendered by the render worker.
+
+The export must give the same step as torch's in-process events (timestamps to the nanosecond, shapes,
+dtypes, and flops computed as torch computes them); the worker must never import torch, must end with the
+training process, and a worker killed mid-render costs that timeline only."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import orjson
+import pytest
+import torch
+
+from hookprof._runtime import worker
+from hookprof._runtime.background import Background
+from hookprof.hooks import profiler_hook
+from hookprof.trace import format as fmt
+from hookprof.tracing import STEP_TRACES
+from hookprof.tracing.kineto_trace import KinetoExport, flops
+from lightning_prof import HookCallback, ProfilerHook
+from tests import worker_probe
+from tests.lightning_models import TinyModel, loader, trainer
+
+pytestmark = pytest.mark.skipif(not worker.AVAILABLE, reason="the render worker runs on POSIX systems")
+
+
+def profiled_results(fn):
+    from torch.autograd import profiler as autograd_profiler
+
+    prof = autograd_profiler.profile(record_shapes=True, with_flops=True, use_kineto=True)
+    with prof:
+        fn()
+    return prof.kineto_results
+
+
+def test_flops_from_the_export_equal_torchs_own_for_every_op_it_counts(tmp_path):
+    x, w = torch.randn(2, 3, 17, 15), torch.nn.Conv2d(3, 8, (3, 5), stride=(2, 1), padding=(1, 2), dilation=(1, 2))
+    grouped = torch.nn.Conv2d(4, 8, 3, groups=2)
+
+    def step():
+        w(x)
+        grouped(torch.randn(1, 4, 9, 9))
+        a, b = torch.randn(6, 7), torch.randn(7, 5)
+        torch.mm(a, b)
+        torch.addmm(torch.randn(5), a, b)
+        p, q = torch.randn(3, 6, 7), torch.randn(3, 7, 4)
+        torch.bmm(p, q)
+        torch.baddbmm(torch.randn(3, 6, 4), p, q)
+        a * b.sum()
+        a * 2
+        a + a
+        torch.add(a, 1)
+        torch.relu(a)
+
+    results = profiled_results(step)
+    path = str(tmp_path / "step.json")
+    results.save(path)
+    theirs = {e.external_id(): (e.name(), e.flops()) for e in results.events() if e.activity_type() == "cpu_op"}
+    ours = {}
+    for event in orjson.loads(open(path, "rb").read())["traceEvents"]:
+        if event.get("cat") == "cpu_op":
+            args = event["args"]
+            ours[args["External id"]] = (event["name"], flops(event["name"], args.get("Input Dims") or (),
+                                                              args.get("Input type") or (),
+                                                              args.get("Concrete Inputs") or ()))
+    assert ours == theirs
+    counted = {name for name, count in theirs.values() if count}
+    assert counted >= {"aten::conv2d", "aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::mul",
+                       "aten::add"}
+
+
+def test_the_export_gives_torchs_own_times_shapes_and_types_to_the_nanosecond(tmp_path):
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    results = profiled_results(lambda: model(torch.randn(8, 16)).sum().backward())
+    events = [e for e in results.events() if e.activity_type() in ("cpu_op", "user_annotation")]
+    path = str(tmp_path / "step.json")
+    results.save(path)
+    from hookprof.hooks.session_run_hook import RunOptions, TraceLevel
+
+    stats = KinetoExport(path, results.trace_start_ns(), RunOptions(trace_level=TraceLevel.FULL_TRACE),
+                         torch.__version__).to_stats()
+    nodes = sorted((n.start_ns, n.duration_ns, n.op, n.input_shapes or [], n.args and n.args.get("flops"))
+                   for n in stats.all_nodes())
+    expected = sorted((e.start_ns(), e.duration_ns(), e.name(), e.shapes() if e.activity_type() == "cpu_op" else [],
+                       e.flops() or None) for e in events)
+    assert len(nodes) == len(expected) > 20
+    assert nodes == expected
+
+
+class KillingHook(profiler_hook.ProfilerHook):
+    """Sends SIGKILL to the render worker 20 ms into rendering `step`."""
+
+    def __init__(self, step, **kwargs):
+        super().__init__(**kwargs)
+        self.kill_at = step
+
+    def _render(self, job):
+        if job.step == self.kill_at:
+            job.run_metadata.export()  # (made once: the render below reuses it, so the kill lands in the worker)
+            pid = worker.WORKER._process.pid
+            threading.Timer(0.02, os.kill, (pid, signal.SIGKILL)).start()
+        return super()._render(job)
+
+
+class WideModel(TinyModel):
+    """TinyModel with 300 more layers: a step of some 15k events, whose rendering takes a few hundred ms."""
+
+    def __init__(self):
+        super().__init__()
+        self.extra = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(300)])
+
+    def forward(self, x):
+        return self.fc2(self.extra(torch.relu(self.fc1(x))))
+
+
+def test_a_worker_killed_mid_render_costs_that_timeline_only(tmp_path, caplog):
+    out = tmp_path / "prof"
+    hook = KillingHook(3, save_steps=1, output_dir=str(out))
+    fit = trainer(str(tmp_path), [HookCallback([hook])], max_steps=6)
+    with caplog.at_level(logging.WARNING):
+        fit.fit(WideModel(), loader(n=48))
+    assert fit.global_step == 6
+    written = sorted(p.name for p in out.iterdir() if p.name.startswith("timeline"))
+    assert written == [f"timeline-{step}.json" for step in (2, 4, 5, 6)]  # no partial file, no temp left
+    assert hook.dropped_outputs == 1
+    (warning,) = [r.getMessage() for r in caplog.records if "render worker" in r.getMessage()]
+    assert "timeline-3.json" in warning and "killed by SIGKILL" in warning
+    for name in written:  # the later files come from a new worker, whole
+        trace = orjson.loads((out / name).read_bytes())
+        assert any(e.get("name") == "aten::addmm" for e in trace["traceEvents"])
+
+
+def test_fits_render_in_a_worker_that_never_imports_torch(tmp_path):
+    out = tmp_path / "prof"
+    fit = trainer(str(tmp_path), [ProfilerHook(save_steps=2, output_dir=str(out))], max_steps=4)
+    fit.fit(TinyModel(), loader())
+    assert sorted(p.name for p in out.glob("timeline-*")) == ["timeline-2.json", "timeline-4.json"]
+    assert worker.WORKER.call(worker_probe.pid) not in (os.getpid(), None)
+    assert worker.WORKER.call(worker_probe.torch_modules) == []
+
+
+def test_the_worker_ends_when_the_training_process_is_killed(tmp_path):
+    code = textwrap.dedent("""
+        import sys, time
+        from hookprof._runtime.worker import WORKER
+        WORKER.start()
+        print(WORKER._process.pid, flush=True)
+        time.sleep(60)
+    """)
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    pid = int(parent.stdout.readline())
+    assert os.path.exists(f"/proc/{pid}")
+    parent.kill()
+    parent.wait()
+    deadline = time.monotonic() + 10
+    while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+        try:  # (reaped by init, or by us when this test's process adopted it)
+            os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            pass
+        time.sleep(0.1)
+    state = open(f"/proc/{pid}/stat").read().split()[2] if os.path.exists(f"/proc/{pid}") else "gone"
+    assert state in ("gone", "Z")
+
+
+def test_dataloader_workers_forked_beside_the_render_worker_leave_it_alone(tmp_path):
+    out = tmp_path / "prof"
+    data = loader(n=96)
+    data = torch.utils.data.DataLoader(data.dataset, batch_size=8, num_workers=2)
+    fit = trainer(str(tmp_path), [ProfilerHook(save_steps=1, output_dir=str(out))], max_steps=12)
+    fit.fit(TinyModel(), data)
+    assert sorted(int(p.name.split("-")[1].split(".")[0]) for p in out.glob("timeline-*")) == list(range(2, 13))
+
+
+def test_the_next_trace_does_not_wait_for_a_job_that_waits_on_another_process():
+    background = Background("test-elsewhere")
+    inside, release = threading.Event(), threading.Event()
+
+    def job():
+        with background.waiting_elsewhere():
+            inside.set()
+            release.wait(10)
+
+    background.submit(job)
+    assert inside.wait(10)
+    started = time.monotonic()
+    background.wait_idle()
+    assert time.monotonic() - started < 1 and background.busy
+    release.set()
+    queued = background.submit(lambda: time.sleep(0.2))
+    background.wait_idle()  # a job still to run is waited for
+    assert queued.done and not background.busy
+
+
+def test_without_the_worker_the_same_files_come_from_the_background_thread(tmp_path, monkeypatch):
+    outputs = {}
+    for render_worker in (True, False):
+        monkeypatch.setattr(profiler_hook, "RENDER_WORKER", render_worker)
+        out = tmp_path / f"worker-{render_worker}"
+        fit = trainer(str(tmp_path), [ProfilerHook(save_steps=2, output_dir=str(out), show_memory=True)],
+                      max_steps=4)
+        fit.fit(TinyModel(), loader())
+        trace = orjson.loads((out / "timeline-4.json").read_bytes())
+        outputs[render_worker] = sorted((e.get("cat", ""), e.get("name", ""), e.get("ph", ""))
+                                        for e in trace["traceEvents"] if e.get("ph") in ("X", "s", "t", "N", "O"))
+    assert outputs[True] == outputs[False]
+    kinds = {(category, ph) for category, _, ph in outputs[True]}
+    assert {(fmt.CAT_DATAFLOW, "s"), (fmt.CAT_DATAFLOW, "t"), (fmt.CAT_OP, "X")} <= kinds  # arrows, ops
+    assert any(ph == "N" for _, ph in kinds)  # memory objects
+
+
+def test_exports_are_removed_once_rendered_and_a_dead_processs_are_removed_later(tmp_path, monkeypatch):
+    import gc
+    import tempfile
+
+    from hookprof.tracing import torch_tracer
+
+    directory = tempfile.gettempdir()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = os.path.join(directory, f".hookprof-step.json.{dead.pid}.deadbeef.tmp")
+    mine = os.path.join(directory, f".hookprof-step.json.{os.getpid()}.feedf00d.tmp")
+    for path in (stale, mine):
+        open(path, "w").close()
+    monkeypatch.setattr(torch_tracer, "_STALE_REMOVED", False)
+    try:
+        fit = trainer(str(tmp_path), [ProfilerHook(save_steps=2, output_dir=str(tmp_path / "prof"))], max_steps=4)
+        fit.fit(TinyModel(), loader())
+        del fit
+        gc.collect()
+        assert not os.path.exists(stale)  # a process that is gone left it
+        assert os.path.exists(mine)  # a live process's (this one's) is its own business
+        ours = [n for n in os.listdir(directory) if n.startswith(f".hookprof-step.json.{os.getpid()}.")]
+        # step 2's export went with its step; step 4's stays while its RunMetadata may still be read (the
+        # trace coordinator keeps the last traced step's until the next trace or run), then goes too
+        assert len(ours) == 2 and os.path.basename(mine) in ours
+        STEP_TRACES.new_run()
+        gc.collect()
+        ours = [n for n in os.listdir(directory) if n.startswith(f".hookprof-step.json.{os.getpid()}.")]
+        assert ours == [os.path.basename(mine)]
+    finally:
+        os.remove(mine)

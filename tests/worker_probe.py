@@ -1,0 +1,16 @@
+"""Functions the render worker runs for the tests (this module imports nothing heavy: unpickling a function
+imports its module there)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+
+def torch_modules() -> list[str]:
+    """The torch modules the process has imported."""
+    return sorted(name for name in sys.modules if name == "torch" or name.startswith("torch."))
+
+
+def pid() -> int:
+    return os.getpid()
