@@ -91,24 +91,35 @@ class TorchProfilerPeer(L.Callback):
 
 
 class TimedProfilerHook(ProfilerHook):
-    """ProfilerHook, timing its background job per traced step and the step graph inside it (timed where it
-    is built, in the render worker or here: `_Rendered.graph_seconds`)."""
+    """ProfilerHook, timing its background work per traced step (the export on the background thread and the
+    wait for the render worker) and the step graph inside it (timed where it is built:
+    `_Rendered.graph_seconds`)."""
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
-        self.jobs: list[float] = []
+        self.by_step: dict[int, float] = {}
         self.graphs: list[float] = []
+
+    @property
+    def jobs(self) -> list[float]:
+        self.flush()
+        return list(self.by_step.values())
 
     def _save(self, job):
         start = time.perf_counter()
         super()._save(job)
-        self.jobs.append(time.perf_counter() - start)
+        self.by_step[job.step] = self.by_step.get(job.step, 0.0) + time.perf_counter() - start
 
-    def _render(self, job):
-        rendered = super()._render(job)
+    def _render_elsewhere(self, job, exported):
+        start = time.perf_counter()
+        rendered = super()._render_elsewhere(job, exported)
+        self.by_step[job.step] = self.by_step.get(job.step, 0.0) + time.perf_counter() - start
+        return rendered
+
+    def _finish(self, job, rendered):
         if rendered is not None and rendered.events is not None:
             self.graphs.append(rendered.graph_seconds)
-        return rendered
+        super()._finish(job, rendered)
 
 
 class TimedCallback(HookCallback):

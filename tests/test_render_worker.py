@@ -20,7 +20,6 @@ import pytest
 import torch
 
 from hookprof._runtime import worker
-from hookprof._runtime.background import Background
 from hookprof.hooks import profiler_hook
 from hookprof.trace import format as fmt
 from hookprof.tracing import STEP_TRACES
@@ -102,12 +101,10 @@ class KillingHook(profiler_hook.ProfilerHook):
         super().__init__(**kwargs)
         self.kill_at = step
 
-    def _render(self, job):
+    def _render_elsewhere(self, job, exported):
         if job.step == self.kill_at:
-            job.run_metadata.export()  # (made once: the render below reuses it, so the kill lands in the worker)
-            pid = worker.WORKER._process.pid
-            threading.Timer(0.02, os.kill, (pid, signal.SIGKILL)).start()
-        return super()._render(job)
+            threading.Timer(0.02, os.kill, (worker.WORKER._process.pid, signal.SIGKILL)).start()
+        return super()._render_elsewhere(job, exported)
 
 
 class WideModel(TinyModel):
@@ -180,24 +177,29 @@ def test_dataloader_workers_forked_beside_the_render_worker_leave_it_alone(tmp_p
     assert sorted(int(p.name.split("-")[1].split(".")[0]) for p in out.glob("timeline-*")) == list(range(2, 13))
 
 
-def test_the_next_trace_does_not_wait_for_a_job_that_waits_on_another_process():
-    background = Background("test-elsewhere")
-    inside, release = threading.Event(), threading.Event()
+def test_the_next_export_runs_while_the_worker_renders_the_previous_step(tmp_path):
+    """The background thread exports step N+1 while the render worker still renders step N."""
+    events = []
 
-    def job():
-        with background.waiting_elsewhere():
-            inside.set()
-            release.wait(10)
+    class TimedHook(profiler_hook.ProfilerHook):
+        def _save(self, job):
+            events.append(("export", job.step, time.monotonic()))
+            super()._save(job)
 
-    background.submit(job)
-    assert inside.wait(10)
-    started = time.monotonic()
-    background.wait_idle()
-    assert time.monotonic() - started < 1 and background.busy
-    release.set()
-    queued = background.submit(lambda: time.sleep(0.2))
-    background.wait_idle()  # a job still to run is waited for
-    assert queued.done and not background.busy
+        def _render_elsewhere(self, job, exported):
+            start = time.monotonic()
+            rendered = super()._render_elsewhere(job, exported)
+            events.append(("render", job.step, start, time.monotonic()))
+            return rendered
+
+    hook = TimedHook(save_steps=1, output_dir=str(tmp_path / "prof"))
+    trainer(str(tmp_path), [HookCallback([hook])], max_steps=6).fit(WideModel(), loader(n=48))
+    renders = {step: (start, end) for kind, step, *times in events if kind == "render" for start, end in [times]}
+    exports = {step: times[0] for kind, step, *times in events if kind == "export"}
+    overlapped = [step for step in renders if step + 1 in exports and
+                  renders[step][0] < exports[step + 1] < renders[step][1]]
+    assert sorted(renders) == [2, 3, 4, 5, 6]
+    assert overlapped  # (each render takes a few hundred ms, a training step far less)
 
 
 def test_without_the_worker_the_same_files_come_from_the_background_thread(tmp_path, monkeypatch):

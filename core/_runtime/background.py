@@ -11,8 +11,8 @@ one worker thread, in the order they came, while training goes on in torch's ker
 File writes themselves run on a second worker, `WRITES`, fed by those jobs: the disk's time is no one's wait.
 Only two waits are for the whole of `BACKGROUND` (`wait_idle`): before a new trace starts
 (`StepTraceCoordinator`), so a conversion never runs inside the next traced step and distorts its timings,
-and before a fork. A job waiting for the render worker (`hookprof._runtime.worker`) is not waited for
-there: that work runs in another process.
+and before a fork. `RENDERS` waits for the render worker (`hookprof._runtime.worker`), a process of its own:
+while it renders one step, `BACKGROUND` exports the next.
 
 The thread exists only while there is work (it is not a daemon: the interpreter finishes a write in progress
 before it exits, and no file is left half-written).
@@ -21,11 +21,10 @@ before it exits, and no file is left half-written).
 from __future__ import annotations
 
 import collections
-import contextlib
 import logging
 import os
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +59,6 @@ class Background:
         self._jobs: collections.deque[tuple[Callable[[], None], BackgroundJob]] = collections.deque()
         self._idle = threading.Condition()
         self._thread: threading.Thread | None = None
-        self._elsewhere = False  # the running job only waits for another process's work
 
     def submit(self, job: Callable[[], None]) -> BackgroundJob:
         """Run `job()` on the worker after the jobs already submitted; wait on the handle for it. A job's
@@ -87,22 +85,8 @@ class Background:
     def wait_idle(self) -> None:
         """Return once every job submitted so far has run (at once when called from a job)."""
         with self._idle:
-            while (self._thread is not None and self._thread is not threading.current_thread()
-                   and not (self._elsewhere and not self._jobs)):
+            while self._thread is not None and self._thread is not threading.current_thread():
                 self._idle.wait()
-
-    @contextlib.contextmanager
-    def waiting_elsewhere(self) -> Iterator[None]:
-        """Around the part of a job that only waits for another process (the render worker): `wait_idle`
-        does not wait for it, since it holds no lock and runs no Python here."""
-        with self._idle:
-            self._elsewhere = True
-            self._idle.notify_all()
-        try:
-            yield
-        finally:
-            with self._idle:
-                self._elsewhere = False
 
     @property
     def busy(self) -> bool:
@@ -134,12 +118,20 @@ BACKGROUND = Background()
 # here, so a slow disk holds up neither training nor the next traced step's conversion. ProfilerHook bounds
 # how many files wait for it (MAX_PENDING_WRITES) and skips traces past that, counted.
 WRITES = Background("hookprof-writes")
+# The render worker's caller: a job here hands an exported step to the worker process and waits (in a read,
+# the GIL released) for its bytes, which go on to WRITES. One worker renders one step at a time.
+RENDERS = Background("hookprof-renders")
+
+
+def any_busy() -> bool:
+    """Whether any of hookprof's own workers has work (a step timed now may be slowed by it)."""
+    return BACKGROUND.busy or WRITES.busy or RENDERS.busy
 
 
 def _after_fork_in_child() -> None:
     """A forked child has no worker threads: they start afresh there."""
-    BACKGROUND.__init__(BACKGROUND.name)
-    WRITES.__init__(WRITES.name)
+    for worker in (BACKGROUND, WRITES, RENDERS):
+        worker.__init__(worker.name)
 
 
 if hasattr(os, "register_at_fork"):

@@ -15,7 +15,7 @@ from typing import Any
 
 from hookprof._runtime import arguments, worker
 from hookprof._runtime.atomic_file import atomic_write, remove_stale_temps
-from hookprof._runtime.background import BACKGROUND, WRITES, BackgroundJob
+from hookprof._runtime.background import BACKGROUND, RENDERS, WRITES, BackgroundJob
 from hookprof._runtime.memory import allocated_bytes
 from hookprof.hooks.periodic_hook import PeriodicHook
 from hookprof.hooks.session import evaluate_fetches
@@ -146,6 +146,7 @@ class ProfilerHook(PeriodicHook):
         self._saved_paths: list[str] = []
         self._events: Any = None
         self._pending: Any = None  # the background job writing this hook's last traced step
+        self._rendering: Any = None  # the last job waiting for the render worker (RENDERS)
         self._run_start: tuple[int, float] | None = None  # (global step, time) of this run's first step
         self._fired_in_run = 0
         # triggers: what each fetches of a step, whether one reads memory, the records they keep
@@ -307,6 +308,8 @@ class ProfilerHook(PeriodicHook):
         """Wait until every traced step so far is on disk (files, TensorBoard, the Profiler)."""
         if self._pending is not None:
             self._pending.wait()  # this hook's jobs run in order: its last one done, all are
+        if self._rendering is not None:
+            self._rendering.wait()  # (and so do the render worker's, which the background jobs fed)
         if self._writes:
             self._writes[-1].wait()  # and so do the disk's
             self._writes.clear()
@@ -334,10 +337,46 @@ class ProfilerHook(PeriodicHook):
         return os.path.join(self.output_dir or "", f"timeline-{int(step)}{suffix}{extension}")
 
     def _save(self, job: _Job) -> None:
-        """On the background thread: render one traced step (the timeline's bytes, the TensorBoard events), in
-        the render worker where one can run (`hookprof._runtime.worker`), hand them to the disk's worker
-        (`WRITES`), add the step to the Profiler."""
-        rendered = self._render(job)
+        """On the background thread: hand the traced step to the render worker as kineto's export
+        (`hookprof._runtime.worker`, called from `RENDERS`), or, with a Profiler (which wants the stats here),
+        where no worker can run, or when someone converted the step already, convert and render it here and
+        add it to the Profiler."""
+        if self._uses_worker():
+            try:
+                exported = job.run_metadata.export()
+            except OSError as err:  # no room in the temporary directory for kineto's export
+                self.dropped_outputs += 1
+                self._warn_once("export", "Could not export traced step %d to %s (%s); training goes on without "
+                                "its timeline (set TMPDIR to a disk with room).", job.step, tempfile.gettempdir(),
+                                err.strerror or err)
+                return
+            if exported is not None:
+                self._rendering = RENDERS.submit(lambda: self._finish(job, self._render_elsewhere(job, exported)))
+                return
+        stats = job.run_metadata.step_stats
+        self._finish(job, None if stats is None else render_step(stats, self._writer, job.spec))
+        if self.profiler is not None:
+            try:
+                self.profiler.add_step(job.step, job.run_metadata)
+            except Exception:  # the Profiler's bug must not cost the timeline or the run
+                self._warn_once("profiler", "Profiler.add_step(%d) failed.", job.step, exc_info=True)
+
+    def _render_elsewhere(self, job: _Job, exported: Any) -> _Rendered | None:
+        """On `RENDERS`: the step rendered by the render worker (here if none can start)."""
+        try:
+            return worker.WORKER.call(render_step, exported, self._writer, job.spec)
+        except worker.WorkerFailed as err:
+            self.dropped_outputs += 1
+            self._warn_once("worker", "Could not render timeline %s: %s. Training goes on without it.", job.path,
+                            str(err).strip())
+        except OSError as err:  # no process to be had
+            self._warn_once("no worker", "The render worker could not start (%s); timelines are rendered in the "
+                            "training process.", err.strerror or err)
+            return render_step(exported, self._writer, job.spec)
+        return None
+
+    def _finish(self, job: _Job, rendered: _Rendered | None) -> None:
+        """Say what failed in rendering a step, and hand what was rendered to the disk's worker (`WRITES`)."""
         if rendered is None:
             return
         if rendered.convert_error is not None:
@@ -358,40 +397,6 @@ class ProfilerHook(PeriodicHook):
         trace, events = rendered.trace, rendered.events
         if trace is not None or events:
             self._writes.append(WRITES.submit(lambda: self._store(job, trace, events)))
-        if self.profiler is not None:
-            try:
-                self.profiler.add_step(job.step, job.run_metadata)
-            except Exception:  # the Profiler's bug must not cost the timeline or the run
-                self._warn_once("profiler", "Profiler.add_step(%d) failed.", job.step, exc_info=True)
-
-    def _render(self, job: _Job) -> _Rendered | None:
-        """The traced step rendered: by the render worker from the tracer's export, or here (with a Profiler,
-        which wants the stats here; where no worker can run; when someone converted the step already)."""
-        run_metadata = job.run_metadata
-        if self._uses_worker():
-            try:
-                exported = run_metadata.export()
-            except OSError as err:  # no room in the temporary directory for kineto's export
-                self.dropped_outputs += 1
-                self._warn_once("export", "Could not export traced step %d to %s (%s); training goes on without "
-                                "its timeline (set TMPDIR to a disk with room).", job.step, tempfile.gettempdir(),
-                                err.strerror or err)
-                return None
-            if exported is not None:
-                try:
-                    with BACKGROUND.waiting_elsewhere():
-                        return worker.WORKER.call(render_step, exported, self._writer, job.spec)
-                except worker.WorkerFailed as err:
-                    self.dropped_outputs += 1
-                    self._warn_once("worker", "Could not render timeline %s: %s. Training goes on without it.",
-                                    job.path, str(err).strip())
-                    return None
-                except OSError as err:  # no process to be had: render here
-                    self._warn_once("no worker", "The render worker could not start (%s); timelines are rendered "
-                                    "in the training process.", err.strerror or err)
-                    return render_step(exported, self._writer, job.spec)
-        stats = run_metadata.step_stats
-        return None if stats is None else render_step(stats, self._writer, job.spec)
 
     def _store(self, job: _Job, trace: Any, events: list[Any] | None) -> None:
         """On the disk's worker: put a rendered step on disk (the timeline atomically, then its events)."""

@@ -18,7 +18,7 @@ import time
 from collections.abc import Hashable
 from typing import Any
 
-from hookprof._runtime.background import BACKGROUND, WRITES
+from hookprof._runtime.background import BACKGROUND, any_busy
 from hookprof._runtime.warn_once import WarnOnce
 from hookprof.hooks.session_run_hook import RunMetadata, RunOptions
 from hookprof.step_stats import NodeExecStats, StepStats
@@ -111,7 +111,7 @@ class StepTraceCoordinator:
         """A watched step starts now (its hooks' `before_run`): open its record (once per step)."""
         if self.recent.maxlen and self._record is None:
             self.last_record = None
-            self._record = StepRecord(self._last_step_end_ns, time.time_ns(), BACKGROUND.busy or WRITES.busy)
+            self._record = StepRecord(self._last_step_end_ns, time.time_ns(), any_busy())
 
     def new_run(self) -> None:
         """Training (re)starts: a trace left running by an unfinished step of a previous run is stopped, and
@@ -180,7 +180,7 @@ class StepTraceCoordinator:
         record = self._record
         if record is not None:
             record.end, self._record = end_ns, None
-            record.disturbed = record.disturbed or BACKGROUND.busy or WRITES.busy
+            record.disturbed = record.disturbed or any_busy()
             self.recent.append(record)
             self.last_record = record
         current = self._current
