@@ -7,7 +7,7 @@ garbage (`hookprof.tracing.torch_tracer`).
 when dataflow or memory were recorded, the compact event tree (`hookprof.tracing.torch_dataflow.EventTree`:
 kineto's export has no tensor identities). `to_stats()` reads the file and converts it.
 
-The file gives every field `_convert` reads, with two differences from torch's in-process events:
+The file gives every field the in-process events gave, with two differences:
 - threads are the operating system's thread ids (`tid`), as in torch's own exports;
 - flops are not exported: `flops()` computes them from the recorded shapes and arguments with the formulas of
   torch's profiler (`torch/csrc/profiler/util.cpp`, `computeFlops`), for the ops it counts (`conv2d`, `mm`,
@@ -71,7 +71,8 @@ class KinetoExport:
         want_ids = options.record_dataflow or options.record_memory
         with paused_gc():
             data = orjson.loads(raw)
-            by_external_id = _convert(_events(data), stats, want_ids, options.with_stack)
+            by_external_id = _convert(data.get("traceEvents", ()), data.get("baseTimeNanoseconds", 0), stats,
+                                      want_ids, options.with_stack)
             tree = self.tree
             if tree is not None:
                 if options.record_dataflow:
@@ -81,66 +82,9 @@ class KinetoExport:
         return stats
 
 
-def _events(data: dict[str, Any]) -> list[_Event]:
-    base = data.get("baseTimeNanoseconds", 0)
-    return [_Event(event, base) for event in data.get("traceEvents", ()) if event.get("ph") == "X"]
-
-
-class _Event:
-    """One exported event with the accessors of torch's `_KinetoEvent` that `_convert` reads."""
-
-    __slots__ = ("_event", "_args", "_base")
-
-    def __init__(self, event: dict[str, Any], base: int) -> None:
-        self._event = event
-        self._args = event.get("args") or {}
-        self._base = base
-
-    def activity_type(self) -> str:
-        return self._event.get("cat", "")
-
-    def name(self) -> str:
-        return self._event["name"]
-
-    def start_ns(self) -> int:
-        return round(self._event["ts"] * 1000) + self._base
-
-    def duration_ns(self) -> int:
-        return round(self._event.get("dur", 0) * 1000)
-
-    def start_thread_id(self) -> int:
-        return self._event["tid"]
-
-    def fwd_thread_id(self) -> int:
-        return self._args.get("Fwd thread id", 0)
-
-    def sequence_nr(self) -> int:
-        return self._args.get("Sequence number", -1)
-
-    def shapes(self) -> list:
-        return self._args.get("Input Dims") or []
-
-    def dtypes(self) -> list:
-        return self._args.get("Input type") or []
-
-    def flops(self) -> int:
-        args = self._args
-        return flops(self._event["name"], args.get("Input Dims") or (), args.get("Input type") or (),
-                     args.get("Concrete Inputs") or ())
-
-    def external_id(self) -> int:
-        return self._args.get("External id", 0)
-
-    def correlation_id(self) -> int:
-        return self._args.get("correlation", 0)
-
-    def device_index(self) -> int:
-        return self._args.get("device", 0)
-
-    def device_resource_id(self) -> int:
-        return self._args.get("stream", self._event.get("tid", 0))
-
-
+_NO_ARGS: dict[str, Any] = {}
+_COUNTED = frozenset({"aten::conv2d", "aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::mul",
+                      "aten::add"})  # the ops torch's profiler counts flops for
 _NOT_TENSORS = ("Scalar", "ScalarList", "TensorList", "GenericList", "")
 
 
@@ -192,32 +136,32 @@ def flops(name: str, dims: Any, types: Any, concrete: Any) -> int:
     return 0
 
 
-def _convert(events: list, stats: StepStats, want_ids: bool = False, with_stack: bool = False
+def _convert(events: Any, base: int, stats: StepStats, want_ids: bool = False, with_stack: bool = False
              ) -> dict[int, NodeExecStats]:
-    """Turn kineto events into NodeExecStats: scopes from module spans, phases from autograd and optimizer.
-
-    Each pybind accessor costs about a microsecond and `shapes()` + `dtypes()` about eight, so every field
-    is read once, and only for the events that need it. With `with_stack`, each op gets its Python call
+    """Turn kineto's exported events (times in microseconds after `base` ns) into NodeExecStats: scopes from
+    module spans, phases from autograd and optimizer. With `with_stack`, each op gets its Python call
     stack (`args["stack"]`, outermost frame first) from the Python-function spans enclosing it on its
     thread. With `want_ids`, returns the op nodes by their profiler id (the event tree's link to them: its
-    ops' `correlation_id`).
+    ops' `correlation_id`, the export's `External id`).
     """
     by_external_id: dict[int, NodeExecStats] = {}
     host = stats.device(HOST_DEVICE)
     rows = []
     backward_end = 0  # the end of the step's last backward op: what starts after it is the optimizer's
     host_activities = _HOST_ACTIVITIES | {"python_function"} if with_stack else _HOST_ACTIVITIES
-    for ev in events:
-        activity = ev.activity_type()
+    for event in events:
+        if event.get("ph") != "X":
+            continue
+        activity = event.get("cat")
         if activity in host_activities:
-            start, dur, name = ev.start_ns(), ev.duration_ns(), ev.name()
+            start, dur, name = round(event["ts"] * 1000) + base, round(event.get("dur", 0) * 1000), event["name"]
             if name.startswith(BACKWARD_PREFIX):
                 backward_end = max(backward_end, start + dur)
             elif name.startswith(MODULE_PREFIX):  # the fast C++ span reports itself as an op
                 activity = "user_annotation"
-            rows.append((start, -dur, ev.start_thread_id(), len(rows), activity, name, ev))
+            rows.append((start, -dur, event["tid"], len(rows), activity, name, event.get("args") or _NO_ARGS))
         elif activity in _KERNEL_ACTIVITIES:
-            _add_kernel(ev, activity, stats)
+            _add_kernel(event, activity, base, stats)
     rows.sort()
 
     # per thread, the open events: (end_ns, scope, phase, optimizer scope)
@@ -229,7 +173,7 @@ def _convert(events: list, stats: StepStats, want_ids: bool = False, with_stack:
     dtype_names = _TORCH_DTYPES
     dtype_cache: dict[tuple, list[str]] = {}
     frames: dict[int, list[tuple[int, str]]] = {}  # thread -> open Python frames (end_ns, "file(line): func")
-    for start, neg_dur, tid, _, activity, name, ev in rows:
+    for start, neg_dur, tid, _, activity, name, fields in rows:
         dur = -neg_dur
         if activity == "python_function":
             open_frames = frames.setdefault(tid, [])
@@ -255,17 +199,19 @@ def _convert(events: list, stats: StepStats, want_ids: bool = False, with_stack:
                 # thread is the first to run forward ops (a forward spread over threads is not told apart).
                 seqs = next(iter(forward_scopes.values()), None)
                 if seqs is not None:
-                    scope = seqs.get(ev.sequence_nr(), scope)
+                    scope = seqs.get(fields.get("Sequence number", -1), scope)
             else:
-                shapes = ev.shapes()
+                shapes = fields.get("Input Dims", [])
                 if shapes:
-                    raw = tuple(ev.dtypes())
+                    raw = tuple(fields.get("Input type") or ())
                     dtypes = dtype_cache.get(raw)
                     if dtypes is None:  # a step has few distinct signatures: map each once, share the list
                         dtypes = dtype_cache[raw] = [dtype_names.get(d, d) for d in raw]
-                flops = ev.flops()
-                if flops:
-                    args = {"flops": flops}
+                if name in _COUNTED:
+                    count = flops(name, shapes or (), fields.get("Input type") or (),
+                                  fields.get("Concrete Inputs") or ())
+                    if count:
+                        args = {"flops": count}
             if with_stack:
                 open_frames = frames.get(tid)
                 while open_frames and open_frames[-1][0] <= start:
@@ -287,11 +233,11 @@ def _convert(events: list, stats: StepStats, want_ids: bool = False, with_stack:
                     phase, scope = "optimizer", optimizer
         else:  # cudaLaunchKernel & co.: the launch end of a launch -> kernel arrow
             category = fmt.CAT_RUNTIME
-            args = {"correlation": ev.correlation_id()}
+            args = {"correlation": fields.get("correlation", 0)}
         if not phase:
             phase = "optimizer" if backward_end and start >= backward_end else "forward"
         if phase == "forward" and category == fmt.CAT_OP:
-            seq = ev.sequence_nr()
+            seq = fields.get("Sequence number", -1)
             if seq >= 0:
                 forward_scopes.setdefault(tid, {}).setdefault(seq, scope)
         if phase == "optimizer" and not scope:
@@ -307,17 +253,20 @@ def _convert(events: list, stats: StepStats, want_ids: bool = False, with_stack:
         )
         nodes.append(node)
         if want_ids and activity == "cpu_op":
-            by_external_id[ev.external_id()] = node
+            by_external_id[fields.get("External id", 0)] = node
     return by_external_id
 
 
-def _add_kernel(ev: Any, activity: str, stats: StepStats) -> None:
-    device = stats.device(f"/device:CUDA:{ev.device_index()}")
-    stream = ev.device_resource_id()
+def _add_kernel(event: dict[str, Any], activity: str, base: int, stats: StepStats) -> None:
+    fields = event.get("args") or _NO_ARGS
+    device = stats.device(f"/device:CUDA:{fields.get('device', 0)}")
+    stream = fields.get("stream", event.get("tid", 0))
     device.thread_names.setdefault(stream, f"stream {stream}")
+    name = event["name"]
     device.node_stats.append(
         NodeExecStats(
-            node_name=ev.name(), op=ev.name(), start_ns=ev.start_ns(), duration_ns=ev.duration_ns(),
-            thread_id=stream, category=fmt.CAT_KERNEL, args={"correlation": ev.correlation_id(), "kind": activity},
+            node_name=name, op=name, start_ns=round(event["ts"] * 1000) + base,
+            duration_ns=round(event.get("dur", 0) * 1000), thread_id=stream, category=fmt.CAT_KERNEL,
+            args={"correlation": fields.get("correlation", 0), "kind": activity},
         )
     )
