@@ -95,38 +95,46 @@ def test_the_export_gives_torchs_own_times_shapes_and_types_to_the_nanosecond(tm
 
 
 class KillingHook(profiler_hook.ProfilerHook):
-    """Sends SIGKILL to the render worker 20 ms into rendering `step`."""
+    """Sends SIGKILL to the render worker 50 ms after the request to render `step` is sent."""
 
-    def __init__(self, step, **kwargs):
+    def __init__(self, step, monkeypatch, **kwargs):
         super().__init__(**kwargs)
-        self.kill_at = step
+        self.kill_at, self.armed = step, False
+        send = worker._send
+
+        def send_then_kill(out, data):
+            send(out, data)
+            if self.armed:
+                self.armed = False
+                threading.Timer(0.05, os.kill, (worker.WORKER._process.pid, signal.SIGKILL)).start()
+
+        monkeypatch.setattr(worker, "_send", send_then_kill)
 
     def _render_elsewhere(self, job, exported):
-        if job.step == self.kill_at:
-            threading.Timer(0.02, os.kill, (worker.WORKER._process.pid, signal.SIGKILL)).start()
+        self.armed = job.step == self.kill_at
         return super()._render_elsewhere(job, exported)
 
 
 class WideModel(TinyModel):
-    """TinyModel with 300 more layers: a step of some 15k events, whose rendering takes a few hundred ms."""
+    """TinyModel with more layers: 300 make a step of some 15k events, whose rendering takes a few hundred ms."""
 
-    def __init__(self):
+    def __init__(self, layers: int = 300):
         super().__init__()
-        self.extra = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(300)])
+        self.extra = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(layers)])
 
     def forward(self, x):
         return self.fc2(self.extra(torch.relu(self.fc1(x))))
 
 
-def test_a_worker_killed_mid_render_costs_that_timeline_only(tmp_path, caplog):
+def test_a_worker_killed_mid_render_costs_that_timeline_only(tmp_path, caplog, monkeypatch):
     out = tmp_path / "prof"
-    hook = KillingHook(3, save_steps=1, output_dir=str(out))
-    fit = trainer(str(tmp_path), [HookCallback([hook])], max_steps=6)
+    hook = KillingHook(3, monkeypatch, save_steps=1, output_dir=str(out))
+    fit = trainer(str(tmp_path), [HookCallback([hook])], max_steps=5)
     with caplog.at_level(logging.WARNING):
-        fit.fit(WideModel(), loader(n=48))
-    assert fit.global_step == 6
+        fit.fit(WideModel(), loader(n=40))
+    assert fit.global_step == 5
     written = sorted(p.name for p in out.iterdir() if p.name.startswith("timeline"))
-    assert written == [f"timeline-{step}.json" for step in (2, 4, 5, 6)]  # no partial file, no temp left
+    assert written == [f"timeline-{step}.json" for step in (2, 4, 5)]  # no partial file, no temp left
     assert hook.dropped_outputs == 1
     (warning,) = [r.getMessage() for r in caplog.records if "render worker" in r.getMessage()]
     assert "timeline-3.json" in warning and "killed by SIGKILL" in warning

@@ -48,6 +48,9 @@ def run_child(out, steps, kill_after=None):
             assert child.wait(timeout=300) == 0
             return
         assert child.stdout.readline().strip() == "started"
+        deadline = time.monotonic() + 60  # the files start once the render worker is up: count from the first
+        while not glob.glob(os.path.join(out, "timeline-*.json")) and time.monotonic() < deadline:
+            time.sleep(0.01)
         time.sleep(kill_after)
         child.send_signal(signal.SIGKILL)
         assert child.wait(timeout=60) == -signal.SIGKILL
