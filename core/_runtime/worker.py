@@ -24,6 +24,7 @@ released. Details:
 from __future__ import annotations
 
 import atexit
+import errno
 import importlib
 import logging
 import os
@@ -87,6 +88,8 @@ class Worker:
     def _started(self, preload: tuple[str, ...] = ()) -> subprocess.Popen:
         process = self._process
         if process is None or process.poll() is not None:
+            if not sys.executable:  # (an embedded interpreter)
+                raise OSError(errno.ENOENT, "this Python has no executable to start the render worker with")
             env = {**os.environ, "PYTHONPATH": os.pathsep.join(path for path in sys.path if path)}
             code = f"from hookprof._runtime.worker import main; main({os.getpid()}, {tuple(preload)!r})"
             process = self._process = subprocess.Popen(

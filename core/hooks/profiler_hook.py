@@ -346,9 +346,12 @@ class ProfilerHook(PeriodicHook):
                 exported = job.run_metadata.export()
             except OSError as err:  # no room in the temporary directory for kineto's export
                 self.dropped_outputs += 1
-                self._warn_once("export", "Could not export traced step %d to %s (%s); training goes on without "
-                                "its timeline (set TMPDIR to a disk with room).", job.step, tempfile.gettempdir(),
-                                err.strerror or err)
+                self._warn_once("export", "Could not export traced step %d to %s (%s: is it full, or read-only?); "
+                                "training goes on without its timeline. Set TMPDIR to a directory with room.",
+                                job.step, tempfile.gettempdir(), err.strerror or err)
+                return
+            except Exception:  # a tracer bug costs this trace, never the training run
+                self._warn_once("convert", "Collecting the traced step failed; it has no timeline.", exc_info=True)
                 return
             if exported is not None:
                 self._rendering = RENDERS.submit(lambda: self._finish(job, self._render_elsewhere(job, exported)))

@@ -11,6 +11,7 @@ private torch APIs it uses are found by feature detection (`hookprof.tracing.tor
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import tempfile
@@ -191,11 +192,15 @@ class _Recording:
             path = _export_path()
             try:
                 results.save(path)
+                if not os.path.isfile(path) or not os.path.getsize(path):
+                    # (kineto logs "Failed to write to log file!" and returns: a full or read-only disk)
+                    raise OSError(errno.EIO, "kineto could not write the step's export", path)
                 with paused_gc():
                     # (None where this torch has no event tree)
                     tree = event_tree(results) if options.record_dataflow or options.record_memory else None
             except BaseException:
                 _remove(path)
+                _remove(path + ".tmp")  # (kineto writes there first, and leaves it when the disk fills)
                 raise
             exported = KinetoExport(path, results.trace_start_ns(), options, str(torch.__version__), tree)
             weakref.finalize(exported, _remove, path)

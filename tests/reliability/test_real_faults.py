@@ -10,6 +10,7 @@ and the reason, and that writing resumed by itself once the fault was gone.
 
 from __future__ import annotations
 
+import gc
 import glob
 import json
 import logging
@@ -29,6 +30,7 @@ import hookprof
 import keras_prof
 import lightning_prof
 from hookprof import summary
+from hookprof.tracing import STEP_TRACES
 from tests.conftest import timeline_steps
 from tests.lightning_models import TinyModel, loader
 from tests.reliability.real_disk import Ext4Image, Tmpfs, mounted
@@ -334,3 +336,23 @@ def test_a_new_event_file_is_read_after_the_files_already_there(tmp_path):
     writer.add_event(Event(step=1))
     assert sorted(p.name for p in tmp_path.iterdir())[-1] == os.path.basename(writer.path)
     assert os.path.basename(writer.path).startswith("events.out.tfevents.9999999991.")
+
+
+# --- a temporary directory too small for kineto's export of each traced step, then grown -------------------
+
+def test_a_temporary_directory_without_room_costs_the_traces_until_it_has_room(tmp_path, monkeypatch, caplog):
+    import tempfile
+
+    with mounted(Tmpfs(str(tmp_path / "tmp"), size="16k")) as tmp:  # an export of this step is ~80 KB
+        monkeypatch.setattr(tempfile, "tempdir", tmp.path)  # (what TMPDIR sets, read once per process)
+        out = str(tmp_path / "out")
+        grow = lambda: subprocess.run(["mount", "-o", "remount,size=8m", tmp.path], check=True)  # noqa: E731
+        profiler, _ = lightning_fit(str(tmp_path), {6: grow}, out=out)
+        assert_readable(out)
+        assert timeline_steps(out) == [6, 7, 8]
+        assert profiler.dropped_outputs == 4  # steps 2-5
+        (warning,) = warnings_of(caplog, "Could not export traced step 2")
+        assert tmp.path in warning and "TMPDIR" in warning
+        STEP_TRACES.new_run()  # (the last traced step's export lives while its RunMetadata may be read)
+        gc.collect()
+        assert [n for n in os.listdir(tmp.path) if n.endswith(".tmp")] == []  # no export left behind
