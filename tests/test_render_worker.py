@@ -231,30 +231,60 @@ def test_exports_are_removed_once_rendered_and_a_dead_processs_are_removed_later
     import gc
     import tempfile
 
-    from hookprof.tracing import torch_tracer
-
-    directory = tempfile.gettempdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    os.mkdir(tempfile.tempdir)
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    stale = os.path.join(directory, f".hookprof-step.json.{dead.pid}.deadbeef.tmp")
-    mine = os.path.join(directory, f".hookprof-step.json.{os.getpid()}.feedf00d.tmp")
-    for path in (stale, mine):
-        open(path, "w").close()
-    monkeypatch.setattr(torch_tracer, "_STALE_REMOVED", False)
-    try:
-        fit = trainer(str(tmp_path), [ProfilerHook(save_steps=2, output_dir=str(tmp_path / "prof"))], max_steps=4)
+    stale = tmp_path / "tmp" / f"hookprof-{dead.pid}-abcd1234"
+    alive = tmp_path / "tmp" / f"hookprof-{os.getppid()}-abcd1234"  # (a live process's: not ours to remove)
+    for directory in (stale, alive):
+        directory.mkdir()
+        (directory / "step-0.json").write_text("{}")
+    fit = trainer(str(tmp_path), [ProfilerHook(save_steps=2, output_dir=str(tmp_path / "prof"))], max_steps=4)
+    fit.fit(TinyModel(), loader())
+    del fit
+    gc.collect()
+    assert not stale.exists() and (alive / "step-0.json").exists()
+    (mine,) = [p for p in (tmp_path / "tmp").iterdir() if p.name.startswith(f"hookprof-{os.getpid()}-")]
+    assert oct(mine.stat().st_mode & 0o777) == oct(0o700)  # op names and code paths are not for other users
+    # step 2's export went with its step; step 4's stays while its RunMetadata may still be read (the
+    # trace coordinator keeps the last traced step's until the next trace or run), then goes too
+    assert len(list(mine.iterdir())) == 1
+    STEP_TRACES.new_run()
+    gc.collect()
+    assert list(mine.iterdir()) == []
+
+
+def test_a_forked_child_leaves_the_parents_exports_alone(tmp_path):
+    """A DataLoader worker forked while exports wait drops them as garbage there; the files are the parent's."""
+    from hookprof.hooks.session_run_hook import RunOptions
+    from hookprof.tracing.torch_tracer import _Recording
+
+    results = profiled_results(lambda: torch.nn.Linear(4, 4)(torch.randn(2, 4)))
+    recording = _Recording(results, RunOptions())
+    exported = recording.export()
+    pid = os.fork()
+    if pid == 0:  # the child drops its copies and collects them
+        del recording, exported
+        import gc
+
+        gc.collect()
+        os._exit(0)
+    assert os.waitpid(pid, 0)[1] == 0
+    assert os.path.exists(exported.path)
+
+
+def test_a_worker_that_dies_before_answering_makes_the_hook_render_in_process(tmp_path, monkeypatch, caplog):
+    broken = worker.Worker()
+    monkeypatch.setattr(worker, "WORKER", broken)
+    monkeypatch.setattr(sys, "executable", "/bin/false")  # (an interpreter that cannot run the worker)
+    out = tmp_path / "prof"
+    with caplog.at_level(logging.WARNING):
+        fit = trainer(str(tmp_path), [ProfilerHook(save_steps=2, output_dir=str(out))], max_steps=6)
         fit.fit(TinyModel(), loader())
-        del fit
-        gc.collect()
-        assert not os.path.exists(stale)  # a process that is gone left it
-        assert os.path.exists(mine)  # a live process's (this one's) is its own business
-        ours = [n for n in os.listdir(directory) if n.startswith(f".hookprof-step.json.{os.getpid()}.")]
-        # step 2's export went with its step; step 4's stays while its RunMetadata may still be read (the
-        # trace coordinator keeps the last traced step's until the next trace or run), then goes too
-        assert len(ours) == 2 and os.path.basename(mine) in ours
-        STEP_TRACES.new_run()
-        gc.collect()
-        ours = [n for n in os.listdir(directory) if n.startswith(f".hookprof-step.json.{os.getpid()}.")]
-        assert ours == [os.path.basename(mine)]
-    finally:
-        os.remove(mine)
+    assert sorted(p.name for p in out.glob("timeline-*")) == ["timeline-2.json", "timeline-4.json", "timeline-6.json"]
+    (warning,) = [r.getMessage() for r in caplog.records if "render worker" in r.getMessage()]
+    assert "could not start" in warning and "exited with status 1 before answering once" in warning
+    assert broken._process is None  # one try, not one per traced step
+    with pytest.raises(OSError, match="before answering once"):
+        broken.call(len, "abc")

@@ -79,7 +79,7 @@ def atomic_write(path: str) -> Iterator[BinaryIO]:
         raise
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -98,7 +98,7 @@ def remove_stale_temps(directory: str) -> list[str]:
         return removed
     for name in names:
         match = _TEMP_NAME.match(name)
-        if match and int(match.group(1)) != os.getpid() and not _alive(int(match.group(1))):
+        if match and int(match.group(1)) != os.getpid() and not process_alive(int(match.group(1))):
             with contextlib.suppress(OSError):
                 os.unlink(os.path.join(directory, name))
                 removed.append(name)

@@ -17,13 +17,15 @@ released. Details:
 - It ends when the training process closes its pipe (at exit) or dies.
 - Its hookprof log records come back with each result and are logged here, as if here.
 - A worker that dies mid-call (killed, out of memory) raises `WorkerFailed` here. The next call starts a
-  new one.
+  new one. A worker that dies before ever answering (it cannot import hookprof from here) makes every later
+  call raise OSError at once: the caller does the work itself.
 - Linux and macOS only (`AVAILABLE`); elsewhere the caller does the work on its own thread.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import errno
 import importlib
 import logging
@@ -56,28 +58,42 @@ class Worker:
 
     def __init__(self) -> None:
         self._process: subprocess.Popen | None = None
+        self._answered = False  # whether the running worker ever answered (one that never does is broken)
+        self._broken: str | None = None  # why workers cannot run here: callers render themselves
         self._lock = threading.Lock()  # one call at a time (the pipe carries one conversation)
 
     def start(self, preload: tuple[str, ...] = ()) -> None:
         """Start the worker now, if not running, importing the `preload` modules while the caller goes on
         (an interpreter and its imports take a second or so)."""
-        with self._lock:
-            self._started(preload)
+        if self._lock.acquire(blocking=False):  # (busy: it runs already)
+            try:
+                self._started(preload)
+            finally:
+                self._lock.release()
 
     def call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """`fn(*args)` in the worker. Raises `WorkerFailed` when the worker dies or `fn` raises there,
-        OSError when no worker can start."""
+        OSError when no worker can run here (it cannot start, or the first one died before answering)."""
         request = pickle.dumps((fn, args), protocol=pickle.HIGHEST_PROTOCOL)
         with self._lock:
             process = self._started()
+            reply = None
             try:
                 _send(process.stdin, request)
                 reply = _receive(process.stdout.fileno(), process)
             except OSError:  # the worker's end of the pipe is gone: it died
-                reply = None
+                pass
+            except BaseException:  # the conversation is broken: a new worker for the next call
+                self._discard(process)
+                raise
             if reply is None:
-                self._process = None
-                raise WorkerFailed(_ended(process))
+                self._discard(process)
+                reason = _ended(process)
+                if not self._answered:
+                    self._broken = f"{reason} before answering once"
+                    raise OSError(errno.ECHILD, self._broken)
+                raise WorkerFailed(reason)
+            self._answered = True
         ok, value, records = pickle.loads(reply)
         for record in records:
             logging.getLogger(record.name).handle(record)
@@ -86,26 +102,39 @@ class Worker:
         return value
 
     def _started(self, preload: tuple[str, ...] = ()) -> subprocess.Popen:
+        if self._broken is not None:
+            raise OSError(errno.ECHILD, self._broken)
         process = self._process
         if process is None or process.poll() is not None:
             if not sys.executable:  # (an embedded interpreter)
                 raise OSError(errno.ENOENT, "this Python has no executable to start the render worker with")
-            env = {**os.environ, "PYTHONPATH": os.pathsep.join(path for path in sys.path if path)}
+            # the parent's import path, absolute (the worker starts in the same directory, but the parent
+            # may have moved since); -P: no script directory or working directory put before it
+            path = os.pathsep.join(os.path.abspath(entry) for entry in sys.path if entry)
+            env = {**os.environ, "PYTHONPATH": path}
             code = f"from hookprof._runtime.worker import main; main({os.getpid()}, {tuple(preload)!r})"
+            stderr = None if sys.stderr is not None else subprocess.DEVNULL
             process = self._process = subprocess.Popen(
-                [sys.executable, "-c", code],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, close_fds=True)
+                [sys.executable, "-P", "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                stderr=stderr, env=env, close_fds=True)
+            self._answered = False
         return process
 
+    def _discard(self, process: subprocess.Popen) -> None:
+        self._process = None
+        with contextlib.suppress(OSError):
+            process.kill()
+
     def stop(self) -> None:
-        """End the worker (at the training process's exit): its pipe closes, it finishes and exits."""
+        """End the worker (at the training process's exit): it is told to quit, finishes and exits."""
         process, self._process = self._process, None
         if process is None:
             return
         try:
+            _send(process.stdin, b"")  # (a forked child may hold the pipe open: an explicit quit)
             process.stdin.close()
             process.wait(_EXIT_SECONDS)
-        except (OSError, subprocess.TimeoutExpired):
+        except (OSError, ValueError, subprocess.TimeoutExpired):
             process.kill()
 
     def _forget(self) -> None:
@@ -124,15 +153,16 @@ def _send(out: IO[bytes], data: bytes) -> None:
 def _receive(fd: int, peer: subprocess.Popen | int) -> bytes | None:
     """One length-prefixed message from `fd`; None when the other side ended before sending it whole (it
     died, or closed the pipe). `peer`: the worker's process here, the training process's pid there."""
+    poller = select.poll()  # (not select.select: a descriptor may be 1024 or more)
+    poller.register(fd, select.POLLIN)
     buffer = bytearray()
     want = _LENGTH.size
     while len(buffer) < want:
-        ready, _, _ = select.select([fd], [], [], _POLL_SECONDS)
-        if not ready:
+        if not poller.poll(_POLL_SECONDS * 1000):
             if _gone(peer):
                 return None
             continue
-        chunk = os.read(fd, max(want - len(buffer), 1 << 20))
+        chunk = os.read(fd, min(want - len(buffer), 1 << 20))
         if not chunk:
             return None
         buffer += chunk
@@ -154,7 +184,10 @@ def _ended(process: subprocess.Popen) -> str:
         process.kill()
         return "the render worker stopped answering"
     if status < 0:
-        return f"the render worker was killed by {signal.Signals(-status).name}"
+        try:
+            return f"the render worker was killed by {signal.Signals(-status).name}"
+        except ValueError:
+            return f"the render worker was killed by signal {-status}"
     return f"the render worker exited with status {status}"
 
 
@@ -174,11 +207,14 @@ class _Records(logging.Handler):
 
 def main(parent: int, preload: tuple[str, ...] = ()) -> None:
     """The worker's loop: a call in, its result out, until the training process closes the pipe or dies."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the training's to handle; the pipe ends us
+    # Ctrl-C and a batch system's SIGTERM to the process group are the training's to handle: the worker
+    # finishes the step it renders, and ends when the training process tells it to or dies
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     for module in preload:
         try:
             importlib.import_module(module)
-        except ImportError:  # (said when a call needs it)
+        except Exception:  # (said when a call needs it)
             pass
     requests = sys.stdin.buffer.fileno()
     replies = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
@@ -188,7 +224,7 @@ def main(parent: int, preload: tuple[str, ...] = ()) -> None:
     logger.handlers, logger.propagate = [records], False
     while True:
         request = _receive(requests, parent)
-        if request is None:
+        if not request:  # the training process ended, or said to quit (an empty message)
             return
         try:
             fn, args = pickle.loads(request)

@@ -322,7 +322,7 @@ class ProfilerHook(PeriodicHook):
         def pending() -> int:
             while writes and writes[0].done:
                 writes.popleft()
-            return len(writes)  # (steps being rendered are the CPU's backlog: the next trace waits for them)
+            return len(writes)  # (steps being rendered are the CPU's backlog: the next trace waits, see _save)
 
         if pending() < MAX_PENDING_WRITES:
             return True
@@ -354,6 +354,11 @@ class ProfilerHook(PeriodicHook):
                 self._warn_once("convert", "Collecting the traced step failed; it has no timeline.", exc_info=True)
                 return
             if exported is not None:
+                if self._rendering is not None:
+                    # One step renders while the next is exported, no more: a schedule faster than the worker
+                    # makes the next traced step wait here (the coordinator waits for this thread), rather than
+                    # piling exports up in TMPDIR and memory.
+                    self._rendering.wait()
                 self._rendering = RENDERS.submit(lambda: self._finish(job, self._render_elsewhere(job, exported)))
                 return
         stats = job.run_metadata.step_stats

@@ -90,7 +90,7 @@ class RunMetadata:
                     try:
                         self._stats = make()
                     finally:
-                        self._make = None
+                        self._make = self._export = None  # (what either held, an export file, can go)
         stats = self._stats
         if stats is not None and stats.step is None and self.step is not None:
             stats.step = self.step

@@ -10,10 +10,13 @@ private torch APIs it uses are found by feature detection (`hookprof.tracing.tor
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import errno
+import itertools
 import logging
 import os
+import shutil
 import tempfile
 import threading
 import weakref
@@ -22,7 +25,7 @@ from typing import Any
 
 import torch
 
-from hookprof._runtime.atomic_file import remove_stale_temps, temp_path_for
+from hookprof._runtime.atomic_file import process_alive
 from hookprof._runtime.gc_pause import paused_gc
 from hookprof.hooks.session_run_hook import RunOptions, TraceLevel
 from hookprof.naming import root_label
@@ -203,7 +206,7 @@ class _Recording:
                 _remove(path + ".tmp")  # (kineto writes there first, and leaves it when the disk fills)
                 raise
             exported = KinetoExport(path, results.trace_start_ns(), options, str(torch.__version__), tree)
-            weakref.finalize(exported, _remove, path)
+            weakref.finalize(exported, _remove_own, path, os.getpid())
             self._exported, self._results = exported, None  # (kineto's copy is freed now)
             return exported
 
@@ -214,18 +217,41 @@ class _Recording:
         return exported.to_stats()
 
 
-_STALE_REMOVED = False
+_EXPORTS: dict[tuple[int, str], str] = {}  # (process, temporary directory) -> this process's export directory
+_EXPORT_PREFIX = "hookprof-"
+_exports_made = itertools.count()
 
 
 def _export_path() -> str:
-    """A fresh temporary path for a step's export, named so that `remove_stale_temps` knows it; the first
-    time, the exports of processes that died before removing theirs are removed."""
-    global _STALE_REMOVED
-    directory = tempfile.gettempdir()
-    if not _STALE_REMOVED:
-        _STALE_REMOVED = True
-        remove_stale_temps(directory)
-    return temp_path_for(os.path.join(directory, "hookprof-step.json"))
+    """A fresh path for a step's export, in a private directory of this process's (mode 0700: op names and
+    code paths are not for other users) inside the temporary directory (TMPDIR). Making that directory, the
+    ones of processes that died without removing theirs are removed."""
+    pid, parent = os.getpid(), tempfile.gettempdir()
+    directory = _EXPORTS.get((pid, parent))
+    if directory is None:
+        _remove_stale_exports(parent)
+        directory = _EXPORTS[(pid, parent)] = tempfile.mkdtemp(prefix=f"{_EXPORT_PREFIX}{pid}-", dir=parent)
+        atexit.register(_remove_own, directory, pid, True)
+    return os.path.join(directory, f"step-{next(_exports_made)}.json")
+
+
+def _remove_stale_exports(parent: str) -> None:
+    with contextlib.suppress(OSError):
+        for name in os.listdir(parent):
+            pid = name[len(_EXPORT_PREFIX):].partition("-")[0]
+            if name.startswith(_EXPORT_PREFIX) and pid.isdigit() and not process_alive(int(pid)):
+                shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+
+
+def _remove_own(path: str, pid: int, tree: bool = False) -> None:
+    """Remove `path` if this is the process that made it (a forked child drops the parent's exports as
+    garbage: they are not its to remove)."""
+    if os.getpid() != pid:
+        return
+    if tree:
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        _remove(path)
 
 
 def _remove(path: str) -> None:

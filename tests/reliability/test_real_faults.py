@@ -355,4 +355,5 @@ def test_a_temporary_directory_without_room_costs_the_traces_until_it_has_room(t
         assert tmp.path in warning and "TMPDIR" in warning
         STEP_TRACES.new_run()  # (the last traced step's export lives while its RunMetadata may be read)
         gc.collect()
-        assert [n for n in os.listdir(tmp.path) if n.endswith(".tmp")] == []  # no export left behind
+        left = [os.path.join(folder, name) for folder, _, names in os.walk(tmp.path) for name in names]
+        assert left == []  # no export, and none of kineto's own temp files, left behind
