@@ -288,3 +288,22 @@ def test_a_worker_that_dies_before_answering_makes_the_hook_render_in_process(tm
     assert broken._process is None  # one try, not one per traced step
     with pytest.raises(OSError, match="before answering once"):
         broken.call(len, "abc")
+
+
+def test_a_step_the_worker_cannot_take_costs_its_timeline_only(tmp_path, monkeypatch, caplog):
+    call = worker.WORKER.call
+
+    def refuse_step_4(fn, exported, writer, spec):
+        if spec.step == 4:
+            raise TypeError("cannot pickle 'generator' object")  # (what an unpicklable field would raise)
+        return call(fn, exported, writer, spec)
+
+    monkeypatch.setattr(worker.WORKER, "call", refuse_step_4)
+    out = tmp_path / "prof"
+    hook = profiler_hook.ProfilerHook(save_steps=2, output_dir=str(out))
+    with caplog.at_level(logging.WARNING):
+        trainer(str(tmp_path), [HookCallback([hook])], max_steps=6).fit(TinyModel(), loader())
+    assert sorted(p.name for p in out.glob("timeline-*")) == ["timeline-2.json", "timeline-6.json"]
+    assert hook.dropped_outputs == 1
+    (warning,) = [r.getMessage() for r in caplog.records if "render worker" in r.getMessage()]
+    assert "timeline-4.json" in warning

@@ -381,6 +381,10 @@ class ProfilerHook(PeriodicHook):
             self._warn_once("no worker", "The render worker could not start (%s); timelines are rendered in the "
                             "training process.", err.strerror or err)
             return render_step(exported, self._writer, job.spec)
+        except Exception:  # a bug of ours (a step that does not pickle) must not end the training run
+            self.dropped_outputs += 1
+            self._warn_once("worker:bug", "Could not hand timeline %s to the render worker; training goes on "
+                            "without it.", job.path, exc_info=True)
         return None
 
     def _finish(self, job: _Job, rendered: _Rendered | None) -> None:
