@@ -152,18 +152,25 @@ def test_fits_render_in_a_worker_that_never_imports_torch(tmp_path):
     assert worker.WORKER.call(worker_probe.torch_modules) == []
 
 
-def test_the_worker_ends_when_the_training_process_is_killed(tmp_path):
+@pytest.mark.parametrize("how", ["killed", "exits, a forked child holding the pipe"])
+def test_the_worker_ends_with_the_training_process(tmp_path, how):
     code = textwrap.dedent("""
-        import sys, time
+        import os, sys, time
         from hookprof._runtime.worker import WORKER
         WORKER.start()
         print(WORKER._process.pid, flush=True)
-        time.sleep(60)
+        if sys.argv[1] == "killed":
+            time.sleep(60)
+        elif os.fork() == 0:  # a DataLoader-like child, alive after the parent, with the pipe's ends
+            time.sleep(30)
+            os._exit(0)
     """)
-    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    parent = subprocess.Popen([sys.executable, "-c", code, how.split(",")[0]], stdout=subprocess.PIPE, text=True)
     pid = int(parent.stdout.readline())
     assert os.path.exists(f"/proc/{pid}")
-    parent.kill()
+    if how == "killed":
+        parent.kill()
+    started = time.monotonic()
     parent.wait()
     deadline = time.monotonic() + 10
     while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
@@ -174,6 +181,8 @@ def test_the_worker_ends_when_the_training_process_is_killed(tmp_path):
         time.sleep(0.1)
     state = open(f"/proc/{pid}/stat").read().split()[2] if os.path.exists(f"/proc/{pid}") else "gone"
     assert state in ("gone", "Z")
+    if how != "killed":  # told to quit at exit: at once, not after the 5 s a stuck worker is given
+        assert time.monotonic() - started < 4
 
 
 def test_dataloader_workers_forked_beside_the_render_worker_leave_it_alone(tmp_path):

@@ -518,9 +518,9 @@ class _Rendered:
     graph_seconds: float = 0.0  # building the step graph and run metadata (the benchmarks read it)
 
 
-def render_step(source: Any, writer: ChromeTraceWriter, spec: _RenderSpec) -> _Rendered | None:
+def render_step(source: Any, writer: ChromeTraceWriter, spec: _RenderSpec) -> _Rendered:
     """A traced step's timeline bytes and TensorBoard events, from its `StepStats` or from an export to convert
-    (`to_stats()`); None when it has no stats. Runs in the render worker or on the background thread. The
+    (`to_stats()`). Runs in the render worker or on the background thread. The
     events come serialized (`SerializedEvent`: what an event file holds; they cross the worker's pipe so)."""
     rendered = _Rendered()
     stats = source
@@ -530,8 +530,6 @@ def render_step(source: Any, writer: ChromeTraceWriter, spec: _RenderSpec) -> _R
         except Exception:  # a conversion bug costs this trace, never the training run
             rendered.convert_error = traceback.format_exc()
             return rendered
-    if stats is None:
-        return None
     if stats.step is None:
         stats.step = spec.run_step
     try:
@@ -559,7 +557,7 @@ class _Job:
     """One traced step to write, with where it goes fixed on the training thread when the step ended (a next
     fit may change the hook's directory and event stream before the background thread gets to it)."""
 
-    __slots__ = ("step", "run_metadata", "path", "metadata", "distributed", "events", "capture", "spec")
+    __slots__ = ("step", "run_metadata", "path", "events", "spec")
 
     def __init__(self, step: int, run_metadata: Any, session: Any, hook: ProfilerHook,
                  capture: _Capture | None) -> None:
@@ -567,24 +565,21 @@ class _Job:
         self.step = step
         self.run_metadata = run_metadata
         self.path = hook.timeline_path(step, rank, world_size)
-        self.metadata = {"framework": getattr(session, "framework", "unknown"), fmt.RANK: rank,
-                         fmt.WORLD_SIZE: world_size}
-        self.capture = capture
+        metadata = {"framework": getattr(session, "framework", "unknown"), fmt.RANK: rank, fmt.WORLD_SIZE: world_size}
         if hook._skipped_since_file:
-            self.metadata[fmt.SKIPPED_TRACES], hook._skipped_since_file = hook._skipped_since_file, 0
+            metadata[fmt.SKIPPED_TRACES], hook._skipped_since_file = hook._skipped_since_file, 0
         if capture is not None:
-            self.metadata[fmt.TRIGGER] = capture.fires[0]
+            metadata[fmt.TRIGGER] = capture.fires[0]
             if len(capture.fires) > 1:
-                self.metadata[fmt.TRIGGERS_ALSO] = capture.fires[1:]
-        self.distributed = {fmt.RANK: rank, fmt.WORLD_SIZE: world_size}
+                metadata[fmt.TRIGGERS_ALSO] = capture.fires[1:]
+        distributed = {fmt.RANK: rank, fmt.WORLD_SIZE: world_size}
         backend = getattr(session, "distributed_backend", None)
         if backend:
-            self.distributed["backend"] = backend
+            distributed["backend"] = backend
         self.events = hook._events if hook.tensorboard else None
         # ranks share the run directory: their tags must not collide
         tag = f"step_{step}" if world_size == 1 else f"step_{step}_rank{rank}"
-        self.spec = _RenderSpec(step, run_metadata.step, self.metadata, self.distributed, capture, tag,
-                                self.events is not None)
+        self.spec = _RenderSpec(step, run_metadata.step, metadata, distributed, capture, tag, self.events is not None)
 
 
 class _Capture:

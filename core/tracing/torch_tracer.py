@@ -213,7 +213,7 @@ class _Recording:
     def __call__(self) -> StepStats:
         exported = self.export()
         if exported is None:
-            return StepStats(metadata={"torch_version": torch.__version__})
+            return StepStats(metadata={"torch_version": str(torch.__version__)})
         return exported.to_stats()
 
 
