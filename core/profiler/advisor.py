@@ -179,10 +179,11 @@ def _main_line(nodes: list[NodeData]) -> str | None:
 def op_code_lines(profile: ProfileData) -> dict[str, str | None]:
     """Each op's code line, by node name: the innermost frame of the user's own code in its stack. A backward
     op's stack is the code that called `backward()`, so it takes the line of its module's forward (the line
-    where most of the module's forward time was spent), where the module ran forward ops."""
+    where most of the module's forward time was spent), where the module ran forward ops. Outside modules there is no forward to borrow: every op keeps its own
+    stack's line (a time-weighted pick among the step's lines there would change with the machine's load)."""
     forward: dict[str, list[NodeData]] = {}
     for node in profile.nodes.values():
-        if node.steps and node.phase != "backward":
+        if node.steps and node.phase != "backward" and node.scope:
             forward.setdefault(node.scope, []).append(node)
     lines = {scope: _main_line(nodes) for scope, nodes in forward.items()}
     return {node.name: (lines.get(node.scope) if node.phase == "backward" else None) or user_code_line(node.stack)
