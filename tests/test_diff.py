@@ -128,8 +128,11 @@ def test_the_text_is_the_structured_result_in_tfprofs_layout(run, capsys):
     at = [lines.index(title) for title in titles] + [len(lines)]
     for i, rows in enumerate(sections):
         shown = lines[at[i] + 1:at[i + 1]]
-        assert [line[:25].rstrip() if len(r.name) < 25 else r.name for line, r in zip(shown, rows)] == \
-            [r.name for r in rows] and len(shown) == len(rows)
+        assert len(shown) == len(rows) and all(line.startswith(r.name + "  ") for line, r in zip(shown, rows))
+        # the op view's columns (the name in 25, figures in 30), widened for longer names: each table aligned
+        name_width = max([25] + [len(r.name) + 2 for r in rows])
+        assert len({len(line) for line in shown}) <= 1 and all(line[name_width - 2] == " " for line in shown)
+    assert max(len(r.name) for r in result.code_lines) > 25  # the code lines' names overflow the 25 columns
     for rows in sections[:3]:  # ranked by the size of the change in time
         changes = [abs(r.change["micros"]) for r in rows]
         assert changes == sorted(changes, reverse=True) and len(rows) > 0

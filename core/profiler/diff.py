@@ -190,29 +190,33 @@ def _signed(value: float, formatter) -> str:
     return ("-" if value < 0 and not _ZERO.fullmatch(text) else "+") + text
 
 
-def _row_text(row: DiffRow, figures: list[str]) -> str:
-    """A row as the op view writes one: the name in 25 columns, each figure right-aligned in 30, here `A -> B
-    (change)`, `--` for a step the row did not run in."""
+def _cells(row: DiffRow, figures: list[str]) -> list[str]:
+    """A row's figures as `A -> B (change)`, `--` for a step the row did not run in."""
     cells = []
     for attr in figures:
         fmt = _FORMATS[attr]
         a = fmt(row.a[attr]) if row.a is not None else "--"
         b = fmt(row.b[attr]) if row.b is not None else "--"
-        cells.append(f"{f'{a} -> {b} ({_signed(row.change[attr], fmt)})':>30}")
-    return f"{row.name:<25}{', '.join(cells)}\n"
+        cells.append(f"{a} -> {b} ({_signed(row.change[attr], fmt)})")
+    return cells
 
 
 def diff_text(result: DiffResult, opts: dict[str, Any]) -> str:
-    """The legend (the op view's labels), then each table and list under its title."""
+    """The legend (the op view's labels), then each table and list under its title. Rows are laid out as the
+    op view's (the name in 25 columns, each figure right-aligned in 30), widened where a name or a figure is
+    longer so that each table's columns stay aligned and apart."""
     figures = opts["_figures"]
     ranked = "name" if result.order_by == "name" else MULTI_HEADERS[result.order_by]
+    tables = [(_TITLES[section], getattr(result, section)) for section in SECTIONS] + [
+        (f"ops only in step {result.step_a}", result.only_in_a),
+        (f"ops only in step {result.step_b}", result.only_in_b)]
     lines = [f"step {result.step_a} -> step {result.step_b}, ranked by the change in {ranked}\n",
              "node name | " + " | ".join(f"{MULTI_HEADERS[attr]} (A -> B)" for attr in figures) + "\n"]
-    for section in SECTIONS:
-        lines.append(f"{_TITLES[section]}:\n")
-        lines.extend(_row_text(row, figures) for row in getattr(result, section))
-    for title, rows in ((f"ops only in step {result.step_a}", result.only_in_a),
-                        (f"ops only in step {result.step_b}", result.only_in_b)):
+    for title, rows in tables:
         lines.append(f"{title}:\n")
-        lines.extend(_row_text(row, figures) for row in rows)
+        cells = [_cells(row, figures) for row in rows]
+        name_width = max([25] + [len(row.name) + 2 for row in rows])
+        widths = [max([30] + [len(row_cells[i]) for row_cells in cells]) for i in range(len(figures))]
+        lines.extend(f"{row.name:<{name_width}}" + ", ".join(map(str.rjust, row_cells, widths)) + "\n"
+                     for row, row_cells in zip(rows, cells))
     return "".join(lines)
