@@ -174,6 +174,22 @@ def test_bad_steps_and_options_name_the_argument(run, args, message):
         prof.diff(*args)
 
 
+def test_ops_outside_modules_keep_their_own_code_line_and_backward_ops_take_their_modules(run):
+    """A backward op's stack is the code that called backward(): in a module it takes the module's forward
+    line; outside modules there is none to take, and a pick weighted by time would change with the load."""
+    from hookprof.profiler.advisor import op_code_lines, user_code_line
+
+    prof, _, _ = run
+    lines = op_code_lines(prof.data)
+    outside = [n for n in prof.data.nodes.values() if n.steps and not n.scope]
+    assert any(n.phase == "backward" for n in outside) and any(n.phase != "backward" for n in outside)
+    assert all(lines[n.name] == user_code_line(n.stack) for n in outside)
+    extra_backward = [n for n in prof.data.nodes.values() if n.steps and n.scope == "ExtraCall/extra"
+                      and n.phase == "backward"]
+    assert extra_backward and all(re.fullmatch(rf"\S*test_diff\.py\({EXTRA_LINE}\): forward", lines[n.name])
+                                  for n in extra_backward)
+
+
 def test_hookprof_diff_of_two_timelines_and_of_the_saved_profile_rank_alike(run):
     prof, out, extra = run
     timelines = hookprof("diff", f"timeline-{extra - 1}.json", f"timeline-{extra}.json", cwd=out)
