@@ -32,6 +32,7 @@ from hookprof.tracing.dataflow import OpData
 from hookprof.tracing.torch_private import private, warn_missing
 
 Read = tuple[int, int, TensorDescription]  # (argument position, allocation id, the tensor as read)
+_NOTHING: frozenset[int] = frozenset()
 
 
 class Allocation(NamedTuple):
@@ -94,30 +95,40 @@ class EventTree:
 
     def __init__(self, roots: Any, event_type: Any) -> None:
         allocation, torch_op = event_type.Allocation, event_type.TorchOp
-        reads = _Reads()
-        ops: list[tuple[int, int, list[Read], frozenset[int]]] = []
-        events: list[tuple[int, Any, Any]] = []
+        # Each pybind accessor builds new Python objects (`fields.inputs` a whole list of them): each is read
+        # once, in one comprehension per accessor over the events in visiting order (tree walks are the
+        # costly part of a traced step with dataflow, and run under the training process's GIL).
+        events = []
         stack = list(roots)
-        # Each pybind accessor builds new Python objects (`fields.inputs` a whole list of them): read once each.
         while stack:
             event = stack.pop()
-            kind, fields = event.typed
-            if kind == allocation:
-                events.append((event.start_time_ns, fields, event))
-            elif kind == torch_op:
-                inputs = fields.inputs
-                found = reads(inputs)
-                written = written_arguments(event.name, len(inputs)) if found else frozenset()
-                ops.append((event.start_time_ns, event.correlation_id, found, written))
+            events.append(event)
             stack.extend(event.children)
+        op_type = private("torch._C._profiler", "_ExtraFields_TorchOp")
+        allocation_type = private("torch._C._profiler", "_ExtraFields_Allocation")
+        if op_type is not None and allocation_type is not None:  # (the fields' type tells the kind at no cost)
+            fields_of = [event.extra_fields for event in events]
+            op_events = [(e, f) for e, f in zip(events, fields_of) if type(f) is op_type]
+            allocation_events = [(e, f) for e, f in zip(events, fields_of) if type(f) is allocation_type]
+        else:
+            typed = [(event, *event.typed) for event in events]
+            op_events = [(e, f) for e, kind, f in typed if kind == torch_op]
+            allocation_events = [(e, f) for e, kind, f in typed if kind == allocation]
+        reads = _Reads()
+        ops = []
+        for event, fields in op_events:
+            inputs = fields.inputs
+            found = reads(inputs)
+            ops.append((event.start_time_ns, event.correlation_id, found,
+                        written_arguments(event.name, len(inputs)) if found else _NOTHING))
         first = operator.itemgetter(0)
-        events.sort(key=first)
         ops.sort(key=first)
         self.ops: list[tuple[int, list[Read], frozenset[int]]] = [op[1:] for op in ops]
+        timed = sorted(((event.start_time_ns, fields, event) for event, fields in allocation_events), key=first)
         self.allocations: list[Allocation] = []
         self.blocks: dict[int, Block] = {}
         devices: dict[str, str] = {}
-        for start, fields, event in events:
+        for start, fields, event in timed:
             device = str(fields.device)
             device = devices.get(device) or devices.setdefault(device, device_name(device))
             self.allocations.append(Allocation(start, fields.allocation_id, fields.alloc_size, device,

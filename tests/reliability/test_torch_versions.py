@@ -68,9 +68,9 @@ def test_without_the_event_tree_the_trace_has_ops_but_no_dataflow_or_memory(monk
     assert "torch._C._profiler._EventType" in warning and "no dataflow arrows and no memory tracks" in warning
 
 
-def test_without_the_tensor_record_type_tensors_are_told_apart_by_their_fields(monkeypatch, caplog):
-    """The event tree's tensor arguments are recognised by their type (fast) or, without it, by their fields:
-    the same arrows, allocations and shapes, and nothing lost to warn about."""
+def test_without_the_record_types_tensors_and_ops_are_told_apart_by_their_fields(monkeypatch, caplog):
+    """The event tree's tensor arguments and events are recognised by their types (fast) or, without them, by
+    their fields and tags: the same arrows, allocations and shapes, and nothing lost to warn about."""
 
     def content(stats):
         return ([(e.producer.node_name, e.consumer.node_name, e.tensor) for e in stats.edges],
@@ -82,6 +82,10 @@ def test_without_the_tensor_record_type_tensors_are_told_apart_by_their_fields(m
     without = content(traced_step())
     assert with_type[0] and with_type[1] and with_type[2]
     assert without == with_type
+    # without the events' field types, the walk tells ops and allocations by each event's tag
+    monkeypatch.delattr(torch._C._profiler, "_ExtraFields_TorchOp")
+    monkeypatch.delattr(torch._C._profiler, "_ExtraFields_Allocation")
+    assert content(traced_step()) == with_type
     assert warnings(caplog) == []
 
 
