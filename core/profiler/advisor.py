@@ -179,8 +179,9 @@ def _main_line(nodes: list[NodeData]) -> str | None:
 def op_code_lines(profile: ProfileData) -> dict[str, str | None]:
     """Each op's code line, by node name: the innermost frame of the user's own code in its stack. A backward
     op's stack is the code that called `backward()`, so it takes the line of its module's forward (the line
-    where most of the module's forward time was spent), where the module ran forward ops. Outside modules there is no forward to borrow: every op keeps its own
-    stack's line (a time-weighted pick among the step's lines there would change with the machine's load)."""
+    where most of the module's forward time was spent), where the module ran forward ops. Outside modules
+    there is no forward to borrow: every op keeps its own stack's line (a time-weighted pick among the
+    step's lines there would change with the machine's load)."""
     forward: dict[str, list[NodeData]] = {}
     for node in profile.nodes.values():
         if node.steps and node.phase != "backward" and node.scope:
