@@ -4,6 +4,7 @@ so far, failures there cost the file only, forks wait for it."""
 
 import gc
 import os
+import sys
 import threading
 
 from hookprof import HookedSession, ManualSession, NodeExecStats, ProfilerHook, SessionRunArgs, StepState, StepStats
@@ -213,3 +214,36 @@ def test_overlapping_gc_pauses_on_two_threads_restore_the_collector_once_both_en
     leave.set()
     thread.join()
     assert gc.isenabled()
+
+
+def test_dropped_outputs_counted_from_many_threads_lose_no_count():
+    """The training thread and the background threads all count dropped outputs on the same hook."""
+    from hookprof._runtime.background import count_dropped
+
+    class Hook:
+        """Its counter reads through a call, where CPython may switch threads (as 3.12+ and free-threaded
+        builds may anywhere): an unguarded `+=` loses about two counts in three here."""
+
+        def __init__(self):
+            self._count = 0
+
+        @property
+        def dropped_outputs(self):
+            return int(self._count)
+
+        @dropped_outputs.setter
+        def dropped_outputs(self, value):
+            self._count = value
+
+    hook = Hook()
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as CPython allows
+    try:
+        threads = [threading.Thread(target=lambda: [count_dropped(hook) for _ in range(20_000)]) for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(switch)
+    assert hook.dropped_outputs == 80_000

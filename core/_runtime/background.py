@@ -25,6 +25,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -123,13 +124,25 @@ WRITES = Background("hookprof-writes")
 RENDERS = Background("hookprof-renders")
 
 
+_COUNTING = threading.Lock()
+
+
+def count_dropped(owner: Any) -> None:
+    """Add one to `owner.dropped_outputs`. The training thread and the background threads all count there, and
+    `+=` on an attribute is no atomic step between threads."""
+    with _COUNTING:
+        owner.dropped_outputs += 1
+
+
 def any_busy() -> bool:
     """Whether any of hookprof's own workers has work (a step timed now may be slowed by it)."""
     return BACKGROUND.busy or WRITES.busy or RENDERS.busy
 
 
 def _after_fork_in_child() -> None:
-    """A forked child has no worker threads: they start afresh there."""
+    """A forked child has no worker threads: they start afresh there (and no thread holds its lock there)."""
+    global _COUNTING
+    _COUNTING = threading.Lock()
     for worker in (BACKGROUND, WRITES, RENDERS):
         worker.__init__(worker.name)
 

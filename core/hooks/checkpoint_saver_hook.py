@@ -17,6 +17,7 @@ from typing import Any
 
 from hookprof._runtime import arguments
 from hookprof._runtime.atomic_file import atomic_write, remove_stale_temps
+from hookprof._runtime.background import count_dropped
 from hookprof.hooks.periodic_hook import PeriodicHook
 from hookprof.hooks.timer import check_exactly_one
 
@@ -224,7 +225,7 @@ class CheckpointSaverHook(PeriodicHook):
             path = save(session, step)
         except OSError as err:  # a full disk must not end the training run; a saver that cannot save (a model
             # Keras cannot serialise, a bug) raises, as TF's did: at the first save, before training starts
-            self.dropped_outputs += 1
+            count_dropped(self)
             reason = err.strerror or str(err)
             self._warn_once(f"save:{reason}", "Could not save the checkpoint for step %d into %s (%s); training "
                             "goes on without it.", step, self.save_path, reason)
@@ -249,7 +250,7 @@ class CheckpointSaverHook(PeriodicHook):
             with atomic_write(state) as f:
                 f.write(_format_state(self.checkpoint_dir, self._saved).encode())
         except OSError as err:
-            self.dropped_outputs += 1
+            count_dropped(self)
             self._warn_once(f"state:{err.strerror}", "Could not write %s (%s); the checkpoints are saved but "
                             "latest_checkpoint() may not name the newest.", state, err.strerror or err)
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from hookprof._runtime import arguments, worker
 from hookprof._runtime.atomic_file import atomic_write, remove_stale_temps
-from hookprof._runtime.background import BACKGROUND, RENDERS, WRITES, BackgroundJob
+from hookprof._runtime.background import BACKGROUND, RENDERS, WRITES, BackgroundJob, count_dropped
 from hookprof._runtime.memory import allocated_bytes
 from hookprof.hooks.periodic_hook import PeriodicHook
 from hookprof.hooks.session import evaluate_fetches
@@ -345,7 +345,7 @@ class ProfilerHook(PeriodicHook):
             try:
                 exported = job.run_metadata.export()
             except OSError as err:  # no room in the temporary directory for kineto's export
-                self.dropped_outputs += 1
+                count_dropped(self)
                 self._warn_once("export", "Could not export traced step %d to %s (%s: is it full, or read-only?); "
                                 "training goes on without its timeline. Set TMPDIR to a directory with room.",
                                 job.step, tempfile.gettempdir(), err.strerror or err)
@@ -374,7 +374,7 @@ class ProfilerHook(PeriodicHook):
         try:
             return worker.WORKER.call(render_step, exported, self._writer, job.spec)
         except worker.WorkerFailed as err:
-            self.dropped_outputs += 1
+            count_dropped(self)
             self._warn_once("worker", "Could not render timeline %s: %s. Training goes on without it.", job.path,
                             str(err).strip())
         except OSError as err:  # no process to be had
@@ -382,7 +382,7 @@ class ProfilerHook(PeriodicHook):
                             "training process.", err.strerror or err)
             return render_step(exported, self._writer, job.spec)
         except Exception:  # a bug of ours (a step that does not pickle) must not end the training run
-            self.dropped_outputs += 1
+            count_dropped(self)
             self._warn_once("worker:bug", "Could not hand timeline %s to the render worker; training goes on "
                             "without it.", job.path, exc_info=True)
         return None
@@ -396,14 +396,14 @@ class ProfilerHook(PeriodicHook):
                             rendered.convert_error)
             return
         if rendered.render_error is not None:
-            self.dropped_outputs += 1
+            count_dropped(self)
             self._warn_once("render", "Could not render timeline %s; training goes on without it.\n%s", job.path,
                             rendered.render_error)
         if rendered.events_error == _NO_TENSORBOARD:
             self._warn_once("no tensorboard", "The tensorboard package is not installed: timelines are written "
                             "but not the step_N graphs; pip install tensorboard, or pass tensorboard=False.")
         elif rendered.events_error is not None:
-            self.dropped_outputs += 1
+            count_dropped(self)
             self._warn_once("tb:render", "Could not build step_%d for TensorBoard.\n%s", job.step,
                             rendered.events_error)
         trace, events = rendered.trace, rendered.events
@@ -421,7 +421,7 @@ class ProfilerHook(PeriodicHook):
                         event = event.proto()  # a sink passing events to someone else's writer
                     job.events.add_event(event)
             except Exception as err:  # TensorBoard output must not end the training run either
-                self.dropped_outputs += 1
+                count_dropped(self)
                 reason = (err.strerror or str(err)) if isinstance(err, OSError) else type(err).__name__
                 self._warn_once(f"tb:{reason}", "Could not write step_%d to TensorBoard in %s (%s); training goes "
                                 "on without it.", job.step, self.output_dir, reason)
@@ -432,7 +432,7 @@ class ProfilerHook(PeriodicHook):
             with atomic_write(path) as out:
                 data.write_to(out)
         except OSError as err:  # a full disk must not end the training run
-            self.dropped_outputs += 1
+            count_dropped(self)
             reason = err.strerror or str(err)
             self._warn_once(reason, "Could not write timeline %s (%s); training goes on without it.", path, reason)
             return

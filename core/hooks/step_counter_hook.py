@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from hookprof._runtime import arguments
+from hookprof._runtime.background import count_dropped
 from hookprof._runtime.warn_once import WarnOnce
 from hookprof.hooks.session_run_hook import SessionRunHook
 from hookprof.hooks.timer import SecondOrStepTimer
@@ -159,7 +160,7 @@ class StepCounterHook(SessionRunHook):
         try:
             add_summary(self._sink, summary, global_step)
         except OSError as err:  # a full disk must not end the training run
-            self.dropped_outputs += 1
+            count_dropped(self)
             self._warn_once(f"write:{err.strerror or err}", "Could not write %s at step %d to %s (%s); training "
                             "goes on.", self._summary_tag, global_step,
                             err.filename or self.output_dir or "the summary writer", err.strerror or err)
@@ -174,7 +175,7 @@ class StepCounterHook(SessionRunHook):
             try:
                 sink.flush()
             except OSError as err:  # what could not be flushed is lost either way; the run goes on
-                self.dropped_outputs += 1
+                count_dropped(self)
                 self._warn_once(f"flush:{err.strerror or err}", "Could not flush %s to %s (%s).", self._summary_tag,
                                 err.filename or self.output_dir or "the summary writer", err.strerror or err)
             finally:

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from hookprof._runtime import arguments
+from hookprof._runtime.background import count_dropped
 from hookprof.hooks.periodic_hook import PeriodicHook
 from hookprof.hooks.session_run_hook import SessionRunArgs
 from hookprof.summary import MergedSummary, Scaffold, SummaryError, as_merged
@@ -123,7 +124,7 @@ class SummarySaverHook(PeriodicHook):
             if run_values.results is not None:
                 add_summary(self._sink, run_values.results, step)
         except OSError as err:  # a full disk must not end the training run; writing resumes when it clears
-            self.dropped_outputs += 1
+            count_dropped(self)
             self._warn_once(f"os:{err.strerror}", "Could not write summaries at step %d to %s (%s); training "
                             "goes on, and summaries are written again once the disk takes them.", step,
                             err.filename or self.output_dir or "the summary writer", err.strerror or err)
