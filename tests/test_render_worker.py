@@ -302,10 +302,10 @@ def test_a_worker_that_dies_before_answering_makes_the_hook_render_in_process(tm
 def test_a_step_the_worker_cannot_take_costs_its_timeline_only(tmp_path, monkeypatch, caplog):
     call = worker.WORKER.call
 
-    def refuse_step_4(fn, exported, writer, spec):
+    def refuse_step_4(fn, exported, writer, spec, timeout=None):
         if spec.step == 4:
             raise TypeError("cannot pickle 'generator' object")  # (what an unpicklable field would raise)
-        return call(fn, exported, writer, spec)
+        return call(fn, exported, writer, spec, timeout=timeout)
 
     monkeypatch.setattr(worker.WORKER, "call", refuse_step_4)
     out = tmp_path / "prof"
@@ -316,3 +316,35 @@ def test_a_step_the_worker_cannot_take_costs_its_timeline_only(tmp_path, monkeyp
     assert hook.dropped_outputs == 1
     (warning,) = [r.getMessage() for r in caplog.records if "render worker" in r.getMessage()]
     assert "timeline-4.json" in warning
+
+
+def test_a_worker_that_stops_answering_is_stopped_and_costs_that_call_only():
+    """A hung worker (a stalled TMPDIR, say) must not hold up the fit's end: past the call's timeout it is
+    stopped, the call fails, and the next call gets a new worker."""
+    own = worker.Worker()
+    try:
+        hung = own.call(worker_probe.pid)
+        start = time.monotonic()
+        with pytest.raises(worker.WorkerFailed, match=r"took more than 0.5 s and was stopped"):
+            own.call(time.sleep, 30, timeout=0.5)
+        assert time.monotonic() - start < 5
+        with pytest.raises(ProcessLookupError):  # (killed, and reaped by the call)
+            for _ in range(50):
+                os.kill(hung, 0)
+                time.sleep(0.1)
+        assert own.call(worker_probe.pid, timeout=30) not in (hung, None)
+    finally:
+        own.stop()
+
+
+def test_a_step_the_worker_does_not_render_in_time_costs_its_timeline_only(tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(profiler_hook, "RENDER_TIMEOUT_SECONDS", 1e-6)  # (no worker answers that fast)
+    out = tmp_path / "prof"
+    hook = profiler_hook.ProfilerHook(save_steps=2, output_dir=str(out))
+    with caplog.at_level(logging.WARNING):
+        fit = trainer(str(tmp_path), [HookCallback([hook])], max_steps=4)
+        fit.fit(TinyModel(), loader())
+    assert fit.global_step == 4 and not list(out.glob("timeline-*"))
+    assert hook.dropped_outputs == 2
+    (warning,) = [r.getMessage() for r in caplog.records if "render worker" in r.getMessage()]
+    assert "timeline-2.json" in warning and "took more than 1e-06 s and was stopped" in warning

@@ -16,9 +16,10 @@ released. Details:
 - It starts at the first call, or earlier with `start()`, and serves calls one at a time.
 - It ends when the training process closes its pipe (at exit) or dies.
 - Its hookprof log records come back with each result and are logged here, as if here.
-- A worker that dies mid-call (killed, out of memory) raises `WorkerFailed` here. The next call starts a
-  new one. A worker that dies before ever answering (it cannot import hookprof from here) makes every later
-  call raise OSError at once: the caller does the work itself.
+- A worker that dies mid-call (killed, out of memory) raises `WorkerFailed` here, as does one that has not
+  answered within the call's `timeout` (it is stopped). The next call starts a new one. A worker that dies
+  before ever answering (it cannot import hookprof from here) makes every later call raise OSError at once:
+  the caller does the work itself.
 - Linux and macOS only (`AVAILABLE`); elsewhere the caller does the work on its own thread.
 """
 
@@ -37,6 +38,7 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from typing import IO, Any
@@ -71,16 +73,22 @@ class Worker:
             finally:
                 self._lock.release()
 
-    def call(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """`fn(*args)` in the worker. Raises `WorkerFailed` when the worker dies or `fn` raises there,
-        OSError when no worker can run here (it cannot start, or the first one died before answering)."""
+    def call(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None) -> Any:
+        """`fn(*args)` in the worker. Raises `WorkerFailed` when the worker dies, `fn` raises there or it has
+        not answered after `timeout` seconds (the worker is stopped then: a hung one must not hold up the
+        training process's end); OSError when no worker can run here (it cannot start, or the first one
+        died before answering)."""
         request = pickle.dumps((fn, args), protocol=pickle.HIGHEST_PROTOCOL)
         with self._lock:
             process = self._started()
             reply = None
+            deadline = None if timeout is None else time.monotonic() + timeout
             try:
                 _send(process.stdin, request)
-                reply = _receive(process.stdout.fileno(), process)
+                reply = _receive(process.stdout.fileno(), process, deadline)
+            except TimeoutError:
+                self._discard(process)
+                raise WorkerFailed(f"the render worker took more than {timeout:g} s and was stopped") from None
             except OSError:  # the worker's end of the pipe is gone: it died
                 pass
             except BaseException:  # the conversation is broken: a new worker for the next call
@@ -122,8 +130,9 @@ class Worker:
 
     def _discard(self, process: subprocess.Popen) -> None:
         self._process = None
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(OSError, subprocess.TimeoutExpired):
             process.kill()
+            process.wait(_POLL_SECONDS)  # (reaped: no zombie left behind)
 
     def stop(self) -> None:
         """End the worker (at the training process's exit): it is told to quit, finishes and exits."""
@@ -150,15 +159,19 @@ def _send(out: IO[bytes], data: bytes) -> None:
     out.flush()
 
 
-def _receive(fd: int, peer: subprocess.Popen | int) -> bytes | None:
+def _receive(fd: int, peer: subprocess.Popen | int, deadline: float | None = None) -> bytes | None:
     """One length-prefixed message from `fd`; None when the other side ended before sending it whole (it
-    died, or closed the pipe). `peer`: the worker's process here, the training process's pid there."""
+    died, or closed the pipe). `peer`: the worker's process here, the training process's pid there.
+    Raises TimeoutError once `deadline` (`time.monotonic()`) has passed."""
     poller = select.poll()  # (not select.select: a descriptor may be 1024 or more)
     poller.register(fd, select.POLLIN)
     buffer = bytearray()
     want = _LENGTH.size
     while len(buffer) < want:
-        if not poller.poll(_POLL_SECONDS * 1000):
+        wait = _POLL_SECONDS if deadline is None else min(_POLL_SECONDS, deadline - time.monotonic())
+        if wait <= 0:
+            raise TimeoutError
+        if not poller.poll(wait * 1000):
             if _gone(peer):
                 return None
             continue

@@ -40,6 +40,10 @@ WRITE_GRACE_SECONDS = 0.05
 # Convert and render traced steps in the render worker process where one can run (`hookprof._runtime.worker`);
 # False keeps that work on the background thread of the training process.
 RENDER_WORKER = True
+# A step the render worker has not rendered in this long is dropped (one warning) and the worker stopped: a
+# hung worker (a stalled TMPDIR, say) must not hold up the fit's end. At the worker's pace (tens of
+# microseconds an event at most) this leaves a wide margin for steps of millions of events.
+RENDER_TIMEOUT_SECONDS = 300.0
 _WORKER_MODULES = ("hookprof.hooks.profiler_hook", "hookprof.tracing.kineto_trace", "hookprof.tensorboard.graph",
                    "tensorboard.compat.proto.event_pb2", "orjson")
 
@@ -372,7 +376,7 @@ class ProfilerHook(PeriodicHook):
     def _render_elsewhere(self, job: _Job, exported: Any) -> _Rendered | None:
         """On `RENDERS`: the step rendered by the render worker (here if none can start)."""
         try:
-            return worker.WORKER.call(render_step, exported, self._writer, job.spec)
+            return worker.WORKER.call(render_step, exported, self._writer, job.spec, timeout=RENDER_TIMEOUT_SECONDS)
         except worker.WorkerFailed as err:
             count_dropped(self)
             self._warn_once("worker", "Could not render timeline %s: %s. Training goes on without it.", job.path,
