@@ -348,3 +348,16 @@ def test_a_step_the_worker_does_not_render_in_time_costs_its_timeline_only(tmp_p
     assert hook.dropped_outputs == 2
     (warning,) = [r.getMessage() for r in caplog.records if "render worker" in r.getMessage()]
     assert "timeline-2.json" in warning and "took more than 1e-06 s and was stopped" in warning
+
+
+def test_the_workers_log_records_obey_the_training_processs_levels(caplog):
+    own = worker.Worker()
+    try:
+        with caplog.at_level(logging.WARNING):
+            own.call(worker_probe.warn, "said")
+            logging.getLogger("hookprof.probe").setLevel(logging.ERROR)  # (the user quiets hookprof's warnings)
+            own.call(worker_probe.warn, "quieted")
+    finally:
+        logging.getLogger("hookprof.probe").setLevel(logging.NOTSET)
+        own.stop()
+    assert [(r.name, r.getMessage()) for r in caplog.records] == [("hookprof.probe", "said")]

@@ -3,6 +3,7 @@ imports its module there)."""
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 
@@ -14,3 +15,7 @@ def torch_modules() -> list[str]:
 
 def pid() -> int:
     return os.getpid()
+
+
+def warn(message: str) -> None:
+    logging.getLogger("hookprof.probe").warning(message)

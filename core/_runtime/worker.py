@@ -104,7 +104,9 @@ class Worker:
             self._answered = True
         ok, value, records = pickle.loads(reply)
         for record in records:
-            logging.getLogger(record.name).handle(record)
+            logger = logging.getLogger(record.name)
+            if logger.isEnabledFor(record.levelno):  # (the levels set here rule, as for records made here)
+                logger.handle(record)
         if not ok:
             raise WorkerFailed(value)
         return value
