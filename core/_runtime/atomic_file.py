@@ -12,6 +12,7 @@ import contextlib
 import os
 import re
 import secrets
+import shutil
 from collections.abc import Iterator
 from typing import BinaryIO
 
@@ -91,18 +92,29 @@ def process_alive(pid: int) -> bool:
 
 def remove_stale_temps(directory: str) -> list[str]:
     """Delete temp files in `directory` left by processes that no longer run; return their names."""
+    return remove_left_by_dead_processes(directory, _TEMP_NAME)
+
+
+def remove_left_by_dead_processes(directory: str, name: re.Pattern[str]) -> list[str]:
+    """Delete what processes that no longer run left in `directory`: the entries (files, or directories and
+    all they hold) whose name matches `name`, the process id as its first group; return their names."""
     removed = []
     try:
         names = os.listdir(directory)
     except OSError:
         return removed
-    for name in names:
-        match = _TEMP_NAME.match(name)
+    for entry in names:
+        match = name.match(entry)
         if match and int(match.group(1)) != os.getpid() and not process_alive(int(match.group(1))):
+            path = os.path.join(directory, entry)
             with contextlib.suppress(OSError):
-                os.unlink(os.path.join(directory, name))
-                removed.append(name)
+                if os.path.isdir(path) and not os.path.islink(path):
+                    shutil.rmtree(path)
+                else:
+                    os.unlink(path)
+                removed.append(entry)
     return removed
 
 
-__all__ = ["FILE_LAYER", "FileLayer", "atomic_write", "remove_stale_temps", "temp_path_for", "use_file_layer"]
+__all__ = ["FILE_LAYER", "FileLayer", "atomic_write", "process_alive", "remove_left_by_dead_processes",
+           "remove_stale_temps", "temp_path_for", "use_file_layer"]

@@ -16,6 +16,7 @@ import errno
 import itertools
 import logging
 import os
+import re
 import shutil
 import tempfile
 import threading
@@ -25,7 +26,7 @@ from typing import Any
 
 import torch
 
-from hookprof._runtime.atomic_file import process_alive
+from hookprof._runtime.atomic_file import remove_left_by_dead_processes
 from hookprof._runtime.gc_pause import paused_gc
 from hookprof.hooks.session_run_hook import RunOptions, TraceLevel
 from hookprof.naming import root_label
@@ -219,6 +220,7 @@ class _Recording:
 
 _EXPORTS: dict[tuple[int, str], str] = {}  # (process, temporary directory) -> this process's export directory
 _EXPORT_PREFIX = "hookprof-"
+_EXPORT_DIRECTORY = re.compile(rf"^{_EXPORT_PREFIX}(\d+)-")
 _exports_made = itertools.count()
 
 
@@ -229,18 +231,10 @@ def _export_path() -> str:
     pid, parent = os.getpid(), tempfile.gettempdir()
     directory = _EXPORTS.get((pid, parent))
     if directory is None:
-        _remove_stale_exports(parent)
+        remove_left_by_dead_processes(parent, _EXPORT_DIRECTORY)
         directory = _EXPORTS[(pid, parent)] = tempfile.mkdtemp(prefix=f"{_EXPORT_PREFIX}{pid}-", dir=parent)
         atexit.register(_remove_own, directory, pid, True)
     return os.path.join(directory, f"step-{next(_exports_made)}.json")
-
-
-def _remove_stale_exports(parent: str) -> None:
-    with contextlib.suppress(OSError):
-        for name in os.listdir(parent):
-            pid = name[len(_EXPORT_PREFIX):].partition("-")[0]
-            if name.startswith(_EXPORT_PREFIX) and pid.isdigit() and not process_alive(int(pid)):
-                shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
 
 
 def _remove_own(path: str, pid: int, tree: bool = False) -> None:
