@@ -3,6 +3,7 @@
 import subprocess
 import sys
 import textwrap
+from collections import Counter
 
 import torch
 
@@ -92,6 +93,44 @@ def test_abort_after_a_forward_that_raised_closes_everything():
     again.start(FULL)
     model[0](torch.randn(2, 4))
     assert any(n.op == "aten::addmm" for n in again.stop().all_nodes())
+
+
+def step_content(model, tracer, options):
+    """(the stopped recording's kineto results, the step's ops as a multiset of their content)."""
+    torch.manual_seed(0)
+    model.zero_grad(set_to_none=True)  # (each step makes its gradients: the same ops each time)
+    tracer.start(options)
+    model(torch.randn(8, 256)).sum().backward()
+    recording = tracer.stop_recording()
+    results = recording._results
+    stats = recording()
+    ops = Counter((n.op, n.scope, n.phase, n.category, repr(n.input_shapes), repr(n.input_dtypes),
+                   repr(sorted((n.args or {}).items()))) for n in stats.all_nodes())
+    return results, ops
+
+
+def test_a_step_that_needs_only_the_export_stops_without_python_events_and_keeps_its_content(monkeypatch):
+    """Ops-only steps ask torch to build nothing for Python at the stop (`trace_only`): kineto's export, all
+    the timeline reads, has the same events, shapes, scopes and FLOPs as after a full stop."""
+    from hookprof.tracing import torch_tracer
+
+    model = Net()
+    results, cheap = step_content(model, TorchTracer(model), FULL)
+    assert len(results.experimental_event_tree()) == 0  # nothing was built for Python
+    monkeypatch.setattr(torch_tracer, "export_only_config", lambda: None)
+    results, full = step_content(model, TorchTracer(model), FULL)
+    assert len(results.experimental_event_tree()) > 0
+    assert cheap == full and any(op[0] == "aten::addmm" and "flops" in op[6] for op in full)
+
+
+def test_dataflow_memory_and_stacks_keep_the_full_stop():
+    """Dataflow and memory read the event tree, and torch refuses the cheap stop with Python stacks."""
+    model = Net()
+    for options in (RunOptions(trace_level=TraceLevel.FULL_TRACE, record_dataflow=True),
+                    RunOptions(trace_level=TraceLevel.FULL_TRACE, record_memory=True),
+                    RunOptions(trace_level=TraceLevel.FULL_TRACE, with_stack=True)):
+        results, _ = step_content(model, TorchTracer(model), options)
+        assert len(results.experimental_event_tree()) > 0, options
 
 
 def test_profiler_prints_no_per_start_log_lines():

@@ -11,6 +11,7 @@ names what the trace loses; where a public fallback gives the same content, noth
 | `torch._C._autograd._profiler_enabled` | not taking over a running profiler | assumed idle; one warning |
 | `torch._C._profiler._EventType`, `experimental_event_tree()` | dataflow arrows, memory | neither; one warning |
 | `torch._C._jit_get_schemas_for_operator` | in-place writes of ops | found by name only; one warning |
+| `torch._C._profiler._ExperimentalConfig(trace_only=True)` | a cheaper stop for export-only steps | the full stop |
 
 The conversion itself reads kineto's events through accessors that torch 2.3 lacks (its events carry
 `start_us`, no `activity_type`, `external_id` or nanosecond times): on such a torch every step runs untraced,
@@ -65,6 +66,20 @@ def record_function_class() -> Any:
     from torch.autograd.profiler import record_function
 
     return record_function
+
+
+def export_only_config() -> Any:
+    """A new `_ExperimentalConfig(trace_only=True)` where this torch has that option, else None. With it, the
+    profiler's stop builds nothing for Python (no `events()`, no event tree) and kineto's export writes the
+    same events: measured on a 20k-event step, stop + export + freeing the results 253 -> 204 ms, most of it
+    the free of Python-visible events nobody reads. Only for steps that need nothing but the export."""
+    config = private("torch._C._profiler", "_ExperimentalConfig")
+    if config is None:
+        return None
+    try:
+        return config(trace_only=True)
+    except TypeError:  # a torch before the option
+        return None
 
 
 OLDEST_TORCH_RUN = "2.13"  # the oldest torch the tracer has run on (pyproject's floor; the README says which failed)

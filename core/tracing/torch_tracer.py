@@ -33,7 +33,12 @@ from hookprof.naming import root_label
 from hookprof.step_stats import StepStats
 from hookprof.tracing.kineto_trace import MODULE_PREFIX, KinetoExport
 from hookprof.tracing.torch_dataflow import event_tree
-from hookprof.tracing.torch_private import profiler_enabled, record_function_class, unsupported_torch
+from hookprof.tracing.torch_private import (
+    export_only_config,
+    profiler_enabled,
+    record_function_class,
+    unsupported_torch,
+)
 from hookprof.tracing.tracer import Tracer, TracerUnavailable
 
 log = logging.getLogger(__name__)
@@ -130,14 +135,20 @@ class TorchTracer(Tracer):
         self._options = options
         use_cuda = torch.cuda.is_available() and options.trace_level >= TraceLevel.HARDWARE_TRACE
         full = options.trace_level >= TraceLevel.FULL_TRACE
+        wants_tree = options.record_dataflow or options.record_memory
+        # A step that needs only kineto's export stops cheaper when torch builds nothing for Python (the event
+        # tree is what dataflow and memory read; torch refuses the option with Python stacks). CUDA steps keep
+        # the full stop until kernels in such an export are checked on a GPU.
+        export_only = None if wants_tree or options.with_stack or use_cuda else export_only_config()
         prof = autograd_profiler.profile(
             use_device="cuda" if use_cuda else None,
             record_shapes=full or options.record_dataflow,
             with_flops=full,
             # dataflow links tensors by the allocation they live in: see hookprof.tracing.torch_dataflow
-            profile_memory=options.record_memory or options.record_dataflow,
+            profile_memory=wants_tree,
             with_stack=options.with_stack,
             use_kineto=True,
+            **({"experimental_config": export_only} if export_only is not None else {}),
         )
         scopes = _ModuleScopes(self._root)
         try:

@@ -117,6 +117,30 @@ def test_without_the_fast_span_module_scopes_come_from_record_function(monkeypat
     assert warnings(caplog) == []  # the same content, only slower: nothing to say
 
 
+def test_without_the_export_only_option_an_ops_only_step_stops_in_full(monkeypatch, caplog):
+    """A torch whose `_ExperimentalConfig` has no `trace_only` (or no such class): the same timeline, from the
+    full stop, and nothing lost to warn about."""
+
+    def ops_only_step():
+        tracer = TorchTracer(Net())
+        tracer.start(RunOptions(trace_level=TraceLevel.FULL_TRACE))
+        tracer._root(torch.randn(16, 32)).sum().backward()
+        recording = tracer.stop_recording()
+        return recording._results, recording()
+
+    results, stats = ops_only_step()
+    assert len(results.experimental_event_tree()) == 0  # this torch has it: the cheap stop
+    monkeypatch.setattr(torch._C._profiler, "_ExperimentalConfig", lambda **options: (_ for _ in ()).throw(
+        TypeError(f"__init__() got an unexpected keyword argument {next(iter(options))!r}")))
+    results, stats = ops_only_step()
+    assert len(results.experimental_event_tree()) > 0
+    assert {n.scope for n in stats.all_nodes() if n.op == "aten::addmm"} == {"Net/fc1", "Net/fc2"}
+    monkeypatch.delattr(torch._C._profiler, "_ExperimentalConfig")
+    results, stats = ops_only_step()
+    assert len(results.experimental_event_tree()) > 0 and [n for n in stats.all_nodes() if n.op == "aten::addmm"]
+    assert warnings(caplog) == []
+
+
 def test_a_torch_whose_profiler_events_lack_what_the_tracer_reads_trains_untraced_with_one_warning(
         monkeypatch, caplog, tmp_path):
     """torch 2.3's events have `start_us`, not `start_ns` (the README lists what was run): the fit trains on,
