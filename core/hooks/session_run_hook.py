@@ -42,6 +42,12 @@ class RunOptions:
     record_memory: bool = False
     with_stack: bool = False
 
+    @property
+    def records_tensors(self) -> bool:
+        """Whether the tracer records which tensors each op touched and the memory they live in (dataflow and
+        memory both read that record)."""
+        return self.record_dataflow or self.record_memory
+
     def __post_init__(self) -> None:
         level = self.trace_level
         try:

@@ -68,11 +68,10 @@ class KinetoExport:
         with open(self.path, "rb") as f:
             raw = f.read()
         options = self.options
-        want_ids = options.record_dataflow or options.record_memory
         with paused_gc():
             data = orjson.loads(raw)
             by_external_id = _convert(data.get("traceEvents", ()), data.get("baseTimeNanoseconds", 0), stats,
-                                      want_ids, options.with_stack)
+                                      options.records_tensors, options.with_stack)
             tree = self.tree
             if tree is not None:
                 if options.record_dataflow:

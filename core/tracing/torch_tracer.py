@@ -135,17 +135,16 @@ class TorchTracer(Tracer):
         self._options = options
         use_cuda = torch.cuda.is_available() and options.trace_level >= TraceLevel.HARDWARE_TRACE
         full = options.trace_level >= TraceLevel.FULL_TRACE
-        wants_tree = options.record_dataflow or options.record_memory
         # A step that needs only kineto's export stops cheaper when torch builds nothing for Python (the event
         # tree is what dataflow and memory read; torch refuses the option with Python stacks). CUDA steps keep
         # the full stop until kernels in such an export are checked on a GPU.
-        export_only = None if wants_tree or options.with_stack or use_cuda else export_only_config()
+        export_only = None if options.records_tensors or options.with_stack or use_cuda else export_only_config()
         prof = autograd_profiler.profile(
             use_device="cuda" if use_cuda else None,
             record_shapes=full or options.record_dataflow,
             with_flops=full,
             # dataflow links tensors by the allocation they live in: see hookprof.tracing.torch_dataflow
-            profile_memory=wants_tree,
+            profile_memory=options.records_tensors,
             with_stack=options.with_stack,
             use_kineto=True,
             **({"experimental_config": export_only} if export_only is not None else {}),
@@ -212,7 +211,7 @@ class _Recording:
                     raise OSError(errno.EIO, "kineto could not write the step's export", path)
                 with paused_gc():
                     # (None where this torch has no event tree)
-                    tree = event_tree(results) if options.record_dataflow or options.record_memory else None
+                    tree = event_tree(results) if options.records_tensors else None
             except BaseException:
                 _remove(path)
                 _remove(path + ".tmp")  # (kineto writes there first, and leaves it when the disk fills)
