@@ -28,6 +28,11 @@ from lightning_prof import HookCallback, ProfilerHook
 from tests import worker_probe
 from tests.lightning_models import TinyModel, loader, trainer
 
+# The reference these tests compare with: torch's own per-event accessors, which hookprof does not read (torch
+# 2.11 has none of `activity_type` / `external_id` and still traces in full)
+torchs_event_accessors = pytest.mark.skipif(not hasattr(torch._C._autograd._KinetoEvent, "activity_type"),
+                                            reason="this torch's profiler events have no activity_type accessor")
+
 pytestmark = pytest.mark.skipif(not worker.AVAILABLE, reason="the render worker runs on POSIX systems")
 
 
@@ -40,6 +45,7 @@ def profiled_results(fn):
     return prof.kineto_results
 
 
+@torchs_event_accessors
 def test_flops_from_the_export_equal_torchs_own_for_every_op_it_counts(tmp_path):
     x, w = torch.randn(2, 3, 17, 15), torch.nn.Conv2d(3, 8, (3, 5), stride=(2, 1), padding=(1, 2), dilation=(1, 2))
     grouped = torch.nn.Conv2d(4, 8, 3, groups=2)
@@ -76,6 +82,7 @@ def test_flops_from_the_export_equal_torchs_own_for_every_op_it_counts(tmp_path)
                        "aten::add"}
 
 
+@torchs_event_accessors
 def test_the_export_gives_torchs_own_times_shapes_and_types_to_the_nanosecond(tmp_path):
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
     results = profiled_results(lambda: model(torch.randn(8, 16)).sum().backward())

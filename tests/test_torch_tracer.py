@@ -5,9 +5,11 @@ import sys
 import textwrap
 from collections import Counter
 
+import pytest
 import torch
 
 from hookprof import RunOptions, TraceLevel
+from hookprof.tracing.torch_private import export_only_config
 from hookprof.tracing.torch_tracer import TorchTracer
 
 FULL = RunOptions(trace_level=TraceLevel.FULL_TRACE)
@@ -109,6 +111,7 @@ def step_content(model, tracer, options):
     return results, ops
 
 
+@pytest.mark.skipif(export_only_config() is None, reason="this torch has no _ExperimentalConfig(trace_only=)")
 def test_a_step_that_needs_only_the_export_stops_without_python_events_and_keeps_its_content(monkeypatch):
     """Ops-only steps ask torch to build nothing for Python at the stop (`trace_only`): kineto's export, all
     the timeline reads, has the same events, shapes, scopes and FLOPs as after a full stop."""

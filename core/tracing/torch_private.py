@@ -13,9 +13,10 @@ names what the trace loses; where a public fallback gives the same content, noth
 | `torch._C._jit_get_schemas_for_operator` | in-place writes of ops | found by name only; one warning |
 | `torch._C._profiler._ExperimentalConfig(trace_only=True)` | a cheaper stop for export-only steps | the full stop |
 
-The conversion itself reads kineto's events through accessors that torch 2.3 lacks (its events carry
-`start_us`, no `activity_type`, `external_id` or nanosecond times): on such a torch every step runs untraced,
-with one warning saying so (`unsupported_torch`).
+The conversion itself reads kineto's own JSON export of the step (`_ProfilerResult.save`) and the
+profile's start (`_ProfilerResult.trace_start_ns`), which torch 2.3 lacks: on such a torch every step runs
+untraced, with one warning saying so (`unsupported_torch`). Nothing reads kineto's per-event accessors
+(`_KinetoEvent.activity_type`, `external_id`: torch 2.11 has neither, and traces fully).
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ def export_only_config() -> Any:
 
 
 OLDEST_TORCH_RUN = "2.13"  # the oldest torch the tracer has run on (pyproject's floor; the README says which failed)
-_EVENT_ACCESSORS = ("activity_type", "start_ns", "duration_ns", "external_id", "correlation_id")
+_RESULT_ACCESSORS = ("save", "trace_start_ns")  # the export the conversion reads, and its time base
 
 
 @functools.cache
@@ -92,10 +93,8 @@ def unsupported_torch() -> str | None:
     None. Checked once per process: the tracer then leaves every step untraced, with one warning."""
     import torch
 
-    event = private("torch._C._autograd", "_KinetoEvent")
     result = private("torch._C._autograd", "_ProfilerResult")
-    missing = [f"_KinetoEvent.{name}" for name in _EVENT_ACCESSORS if not hasattr(event, name)]
-    missing += [f"_ProfilerResult.{name}" for name in ("trace_start_ns", "events") if not hasattr(result, name)]
+    missing = [f"_ProfilerResult.{name}" for name in _RESULT_ACCESSORS if not hasattr(result, name)]
     if not missing:
         return None
     return (f"this torch ({torch.__version__}) lacks what hookprof reads from its profiler ({', '.join(missing)}); "
