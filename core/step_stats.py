@@ -7,6 +7,7 @@ clock torch.profiler and `time.time_ns()` share, so host spans and op events lin
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from math import prod
 from typing import Any
@@ -158,6 +159,19 @@ class StepStats:
         self.dev_stats.append(dev)
         return dev
 
+    def launched_kernels(self) -> dict[str, list[tuple[int, NodeExecStats]]]:
+        """The kernels (memcpys, memsets) each op launched, by the op's node name: (the kernel's device's index
+        in `dev_stats`, the kernel), in start order. Empty for a step that ran nothing on an accelerator."""
+        launched: dict[str, list[tuple[int, NodeExecStats]]] = {}
+        for index, dev in enumerate(self.dev_stats):
+            for node in dev.node_stats:
+                launcher = node.args.get("launched_by") if node.category == "Kernel" and node.args else None
+                if launcher is not None:
+                    launched.setdefault(launcher, []).append((index, node))
+        for kernels in launched.values():
+            kernels.sort(key=lambda entry: entry[1].start_ns)
+        return launched
+
     def all_nodes(self):
         """Every op execution of the step, device by device."""
         for dev in self.dev_stats:
@@ -166,3 +180,41 @@ class StepStats:
     def start_ns(self) -> int | None:
         """The earliest start of any recorded execution (None for an empty step)."""
         return min((n.start_ns for n in self.all_nodes()), default=None)
+
+
+def _node_end(node: NodeExecStats) -> int:
+    return node.start_ns + node.duration_ns
+
+
+class KernelsOf:
+    """The kernels an op ran: those it launched itself, else those of the ops nested in it (`aten::linear`
+    runs its gemm through `aten::addmm`), as (device index in `dev_stats`, kernel) in start order."""
+
+    def __init__(self, stats: StepStats) -> None:
+        self._launched = stats.launched_kernels()
+        self._threads: dict[int, tuple[list[int], list[NodeExecStats]]] | None = None
+        self._stats = stats
+
+    def __call__(self, op: NodeExecStats) -> list[tuple[int, NodeExecStats]]:
+        launched = self._launched
+        if not launched:
+            return []
+        own = launched.get(op.node_name)
+        if own is not None:
+            return own
+        if self._threads is None:
+            by_thread: dict[int, list[NodeExecStats]] = {}
+            for node in self._stats.all_nodes():
+                if node.node_name in launched and node.category == "Op":
+                    by_thread.setdefault(node.thread_id, []).append(node)
+            self._threads = {}
+            for thread, nodes in by_thread.items():
+                nodes.sort(key=lambda n: n.start_ns)
+                self._threads[thread] = ([n.start_ns for n in nodes], nodes)
+        starts, nodes = self._threads.get(op.thread_id, ((), ()))
+        nested = []
+        for node in nodes[bisect.bisect_left(starts, op.start_ns):bisect.bisect_left(starts, _node_end(op))]:
+            if _node_end(node) <= _node_end(op):
+                nested.extend(launched[node.node_name])
+        nested.sort(key=lambda entry: entry[1].start_ns)
+        return nested

@@ -21,7 +21,7 @@ import re
 from typing import Any
 
 from hookprof._runtime.gc_pause import paused_gc
-from hookprof.step_stats import StepStats
+from hookprof.step_stats import KernelsOf, StepStats
 from hookprof.trace import format as fmt
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.\-/>]")
@@ -220,9 +220,14 @@ def _graph_and_run_metadata(stats: StepStats) -> tuple[bytes, bytes]:
     starts: dict[int, bytes] = {}
     graph: list[bytes] = []
     devices: list[bytes] = []
+    # An op that ran kernels (itself or through the ops nested in it) ran on their device, as TF placed it:
+    # its NodeDef names that device (and its outputs that allocator), so TensorBoard colours it as a GPU op;
+    # its stats stay on the host's line.
+    kernels_of = KernelsOf(stats)
+    placed: dict[int, _Signatures] = {}  # kernel device index in dev_stats -> its signatures
     for dev in stats.dev_stats:
-        shared = _Signatures(tf_device(dev.device).encode())
-        signatures, durations, device = shared.fields, shared.durations, shared.device
+        own = _Signatures(tf_device(dev.device).encode())
+        durations, device = own.durations, own.device
         node_stats: list[bytes] = [_len(b"\x0a", device)] if device else []  # DeviceStepStats.device (1)
         for node in dev.node_stats:
             if node.category != fmt.CAT_OP:
@@ -231,7 +236,14 @@ def _graph_and_run_metadata(stats: StepStats) -> tuple[bytes, bytes]:
             if name_field is None:
                 name_field = name_of.field(node)
             signature = (node.op, node.phase, _output_key(node) if node.outputs else None, node.thread_id)
-            op_field, attrs, outputs, label = signatures.get(signature) or shared.of(signature)
+            kernels = kernels_of(node)
+            if kernels:
+                index = kernels[0][0]
+                shared = placed.get(index) or placed.setdefault(
+                    index, _Signatures(tf_device(stats.dev_stats[index].device).encode()))
+            else:
+                shared = own
+            op_field, attrs, outputs, label = shared.fields.get(signature) or shared.of(signature)
             # GraphDef.node (1): NodeDef name (1), op (2), input (3), device (4), attr (5)
             node_inputs = inputs.get(id(node))
             fields = name_field + op_field + (b"".join(node_inputs) if node_inputs else b"") + attrs
@@ -249,9 +261,9 @@ def _graph_and_run_metadata(stats: StepStats) -> tuple[bytes, bytes]:
                 start_field = _int(b"\x10", start)
             nbytes = allocated.get(id(node))
             if nbytes is not None:  # AllocatorMemoryUsed allocator_name (1), total_bytes (2), peak_bytes (3)
-                outputs = _len(b"\x32", _str(b"\x0a", device.decode()) + _int(b"\x10", nbytes) +
+                outputs = _len(b"\x32", _str(b"\x0a", shared.device.decode()) + _int(b"\x10", nbytes) +
                                _int(b"\x18", nbytes)) + outputs
-            fields = b"".join((name_field, start_field, durations.get(micros) or shared.duration(micros), outputs,
+            fields = b"".join((name_field, start_field, durations.get(micros) or own.duration(micros), outputs,
                                label))
             size = len(fields)
             node_stats.append(b"\x12" + (sizes[size] if size < 2048 else varint(size)) + fields)

@@ -78,6 +78,9 @@ ARG_INPUT_BYTES = "input_bytes"  # per argument position: the bytes (written onl
 ARG_OUTPUTS = "outputs"  # the op's output tensors' descriptions
 ARG_PRODUCER = "producer"  # a tensor's producing node (dataflow arrows, tensor snapshots)
 ARG_CONSUMER = "consumer"  # a tensor's consuming node (dataflow arrows)
+ARG_LAUNCHED_BY = "launched_by"  # a kernel's launching op (its node name): kernel dataflow, the graph's device
+ARG_STREAM = "stream"  # a kernel's stream (as kineto names it; HTA finds device work by it)
+ARG_DEVICE = "device"  # a kernel's device index
 ARG_ALLOCATED = "allocated"  # the allocator counter's bytes allocated
 ARG_RESERVED = "reserved"  # the allocator counter's bytes reserved
 

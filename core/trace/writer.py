@@ -30,7 +30,7 @@ import orjson
 from hookprof._runtime import arguments
 from hookprof._runtime.atomic_file import atomic_write
 from hookprof._runtime.gc_pause import paused_gc
-from hookprof.step_stats import NodeExecStats, StepStats
+from hookprof.step_stats import KernelsOf, NodeExecStats, StepStats
 from hookprof.trace import format as fmt
 
 log = logging.getLogger(__name__)
@@ -286,19 +286,31 @@ def _launch_flows(stats: StepStats, base: int) -> Iterable[dict[str, Any]]:
 
 def _tensor_flows(stats: StepStats, base: int) -> Iterable[dict[str, Any]]:
     """TF's dataflow arrows: for each producer -> consumer edge, `s` at the producer's end, `t` at the
-    consumer's start (binding to the enclosing slice), named after the tensor."""
+    consumer's start (binding to the enclosing slice), named after the tensor. Where both ops ran kernels
+    (the tensor lives on the accelerator), the arrow joins the producer's last kernel to the consumer's first,
+    on their streams, as TF drew dataflow between GPU ops."""
     if not stats.edges:
         return
     pids = {id(node): pid for pid, dev in enumerate(stats.dev_stats) for node in dev.node_stats}
+    kernels_of = KernelsOf(stats)
     for flow_id, edge in enumerate(stats.edges, start=1 << 32):  # above any kernel correlation id
         producer, consumer, tensor = edge.producer, edge.consumer, edge.tensor
-        end_us = (producer.start_ns + producer.duration_ns - base) / 1000
         args = {"dtype": tensor.dtype, "shape": list(tensor.shape), "bytes": tensor.nbytes,
                 fmt.ARG_PRODUCER: producer.node_name, fmt.ARG_CONSUMER: consumer.node_name}
-        yield {"ph": "s", "cat": fmt.CAT_DATAFLOW, "name": edge.name, "id": flow_id, "pid": pids[id(producer)],
-               "tid": producer.thread_id, "ts": end_us - min(0.001, producer.duration_ns / 2000), "args": args}
-        yield {"ph": "t", "cat": fmt.CAT_DATAFLOW, "name": edge.name, "id": flow_id, "pid": pids[id(consumer)],
-               "tid": consumer.thread_id, "ts": (consumer.start_ns - base) / 1000, "bp": "e", "args": args}
+        made, read = kernels_of(producer), kernels_of(consumer)
+        if made and read:
+            (source_pid, source), (target_pid, target) = max(made, key=lambda k: _end(k[1])), read[0]
+        else:
+            (source_pid, source), (target_pid, target) = (pids[id(producer)], producer), (pids[id(consumer)], consumer)
+        end_us = (_end(source) - base) / 1000
+        yield {"ph": "s", "cat": fmt.CAT_DATAFLOW, "name": edge.name, "id": flow_id, "pid": source_pid,
+               "tid": source.thread_id, "ts": end_us - min(0.001, source.duration_ns / 2000), "args": args}
+        yield {"ph": "t", "cat": fmt.CAT_DATAFLOW, "name": edge.name, "id": flow_id, "pid": target_pid,
+               "tid": target.thread_id, "ts": (target.start_ns - base) / 1000, "bp": "e", "args": args}
+
+
+def _end(node: NodeExecStats) -> int:
+    return node.start_ns + node.duration_ns
 
 
 def _memory_events(stats: StepStats, base: int, process_prefix: str = "") -> Iterable[dict[str, Any]]:

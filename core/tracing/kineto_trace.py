@@ -147,6 +147,7 @@ def _convert(events: Any, base: int, stats: StepStats, want_ids: bool = False, w
     host = stats.device(HOST_DEVICE)
     rows = []
     backward_end = 0  # the end of the step's last backward op: what starts after it is the optimizer's
+    kernels: list[tuple[int, NodeExecStats]] = []  # (the launching op's External id, the kernel)
     host_activities = _HOST_ACTIVITIES | {"python_function"} if with_stack else _HOST_ACTIVITIES
     for event in events:
         if event.get("ph") != "X":
@@ -160,8 +161,9 @@ def _convert(events: Any, base: int, stats: StepStats, want_ids: bool = False, w
                 activity = "user_annotation"
             rows.append((start, -dur, event["tid"], len(rows), activity, name, event.get("args") or _NO_ARGS))
         elif activity in _KERNEL_ACTIVITIES:
-            _add_kernel(event, activity, base, stats)
+            kernels.append(_add_kernel(event, activity, base, stats))
     rows.sort()
+    launchers: dict[int, NodeExecStats] | None = {} if kernels else None  # External id -> op, for kernels
 
     # per thread, the open events: (end_ns, scope, phase, optimizer scope)
     stacks: dict[int, list[tuple[int, str, str, str]]] = {}
@@ -251,21 +253,33 @@ def _convert(events: Any, base: int, stats: StepStats, want_ids: bool = False, w
             None, category, args,
         )
         nodes.append(node)
-        if want_ids and activity == "cpu_op":
-            by_external_id[fields.get("External id", 0)] = node
+        if activity == "cpu_op":
+            if want_ids:
+                by_external_id[fields.get("External id", 0)] = node
+            if launchers is not None:
+                launchers[fields.get("External id", 0)] = node
+    if launchers:
+        # kineto gives each kernel the External id of the innermost op whose launch queued it
+        for external_id, kernel in kernels:
+            op = launchers.get(external_id)
+            if op is not None:
+                kernel.args[fmt.ARG_LAUNCHED_BY] = op.node_name
     return by_external_id
 
 
-def _add_kernel(event: dict[str, Any], activity: str, base: int, stats: StepStats) -> None:
+def _add_kernel(event: dict[str, Any], activity: str, base: int, stats: StepStats) -> tuple[int, NodeExecStats]:
+    """A kernel, memcpy or memset on its device's stream; returns it with its launching op's External id."""
     fields = event.get("args") or _NO_ARGS
-    device = stats.device(f"/device:CUDA:{fields.get('device', 0)}")
+    index = fields.get("device", 0)
+    device = stats.device(f"/device:CUDA:{index}")
     stream = fields.get("stream", event.get("tid", 0))
     device.thread_names.setdefault(stream, f"stream {stream}")
     name = event["name"]
-    device.node_stats.append(
-        NodeExecStats(
-            node_name=name, op=name, start_ns=round(event["ts"] * 1000) + base,
-            duration_ns=round(event.get("dur", 0) * 1000), thread_id=stream, category=fmt.CAT_KERNEL,
-            args={"correlation": fields.get("correlation", 0), "kind": activity},
-        )
+    kernel = NodeExecStats(
+        node_name=name, op=name, start_ns=round(event["ts"] * 1000) + base,
+        duration_ns=round(event.get("dur", 0) * 1000), thread_id=stream, category=fmt.CAT_KERNEL,
+        args={"correlation": fields.get("correlation", 0), "kind": activity, fmt.ARG_STREAM: stream,
+              fmt.ARG_DEVICE: index},
     )
+    device.node_stats.append(kernel)
+    return fields.get("External id", -1), kernel
