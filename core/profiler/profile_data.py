@@ -229,9 +229,9 @@ def _step_summary(step: int, stats: StepStats, ops: list[NodeExecStats], previou
     train = spans.get(fmt.TRAIN_STEP)
     if train is not None:
         summary.step_micros += train.duration_ns / 1000
-        # busy: the union of top-level op intervals on the step's main thread; gaps: what is left
-        main = max({n.thread_id for n in ops} or {0}, key=lambda t: sum(1 for n in ops if n.thread_id == t))
-        intervals = sorted((n.start_ns, n.start_ns + n.duration_ns) for n in ops if n.thread_id == main)
+        # busy: the union of op intervals over the host's threads (on CUDA the backward runs on autograd's
+        # device thread while the step's thread waits for it); gaps: what is left
+        intervals = sorted((n.start_ns, n.start_ns + n.duration_ns) for n in ops)
         busy, cursor = 0, train.start_ns
         for start, end in intervals:
             if start > cursor:
