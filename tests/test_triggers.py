@@ -120,8 +120,21 @@ def test_a_loss_spike_fires_loss_spike(tmp_path):
     assert trigger["kind"] == "loss_spike" and trigger["step"] == 35 and trigger["detail"].startswith("loss ")
 
 
-def test_kept_activations_fire_memory_jump(tmp_path):
+@pytest.mark.parametrize("cuda_started_elsewhere", [False, True])
+def test_kept_activations_fire_memory_jump(tmp_path, monkeypatch, cuda_started_elsewhere):
+    """A CPU fit reads the host's memory, also in a process where something else started CUDA (a GPU
+    evaluation before it, another test): the device is the model's, not CUDA's current one."""
     from lightning_prof import ProfilerHook
+
+    if cuda_started_elsewhere:
+        import torch
+
+        if torch.cuda.is_available():
+            torch.zeros(1, device="cuda")  # really started (on a machine with a GPU)
+        else:  # as torch reports a process where CUDA started
+            monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+            monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+            monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 1 << 20)
 
     hook = ProfilerHook(triggers=[MemoryJump(6 * 2**20, window=40, min_steps=4)], output_dir=str(tmp_path),
                         tensorboard=False)

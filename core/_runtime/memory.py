@@ -1,7 +1,8 @@
 """`allocated_bytes()`: the bytes the training process holds now, read at each step a MemoryJump judges.
 
-On a GPU run (torch with CUDA started) it is the caching allocator's bytes allocated on the current device
-(`torch.cuda.memory_allocated()`: tensors only, not the cache; about a microsecond). Otherwise it is the
+On a GPU run (the model's parameters on a CUDA device; with no model to ask, torch with CUDA started) it is
+the caching allocator's bytes allocated on that device (`torch.cuda.memory_allocated()`: tensors only, not the
+cache; about a microsecond). A CPU fit in a process that also started CUDA reads the host. Otherwise it is the
 host heap in use as glibc's allocator counts it (`mallinfo2`: torch's CPU tensors, numpy arrays and Python
 objects alike). That count follows frees at once, where the resident set size does not: a warmed-up process
 reuses freed heap, so a leak can grow for hundreds of steps before its resident set does. It walks the
@@ -52,13 +53,28 @@ def _resident() -> int | None:
 HOST_EVERY = 10  # the host's memory is read on the steps that are multiples of this
 
 
-def allocated_bytes(step: int) -> tuple[int, str] | None:
-    """(bytes, what was read) at the end of global step `step`, or None where nothing is read (on the host,
-    steps that are not multiples of HOST_EVERY)."""
+def model_device(model: object) -> str | None:
+    """Where a torch model's first parameter lives (`cuda:0`, `cpu`), or None where that cannot be told (no
+    model, no parameters, not a torch module)."""
+    parameters = getattr(model, "parameters", None)
+    try:
+        first = next(iter(parameters())) if callable(parameters) else None
+    except (StopIteration, TypeError):
+        return None
+    device = getattr(first, "device", None)
+    return None if device is None else str(device)
+
+
+def allocated_bytes(step: int, device: str | None = None) -> tuple[int, str] | None:
+    """(bytes, what was read) at the end of global step `step` on `device` (a torch device name such as
+    `cuda:0` or `cpu`; None: CUDA's current device once CUDA has started, else the host), or None where
+    nothing is read (on the host, steps that are not multiples of HOST_EVERY)."""
     torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_initialized():
-        device = torch.cuda.current_device()
-        return int(torch.cuda.memory_allocated(device)), f"cuda:{device} allocated"
+    on_cuda = device.startswith("cuda") if device is not None else torch is not None and torch.cuda.is_initialized()
+    if on_cuda and torch is not None:
+        index = torch.device(device).index if device is not None else None
+        index = torch.cuda.current_device() if index is None else index
+        return int(torch.cuda.memory_allocated(index)), f"cuda:{index} allocated"
     if step % HOST_EVERY:
         return None
     if _MALLINFO2 is not None:

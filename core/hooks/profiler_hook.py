@@ -16,7 +16,7 @@ from typing import Any
 from hookprof._runtime import arguments, worker
 from hookprof._runtime.atomic_file import atomic_write, remove_stale_temps
 from hookprof._runtime.background import BACKGROUND, RENDERS, WRITES, BackgroundJob, count_dropped
-from hookprof._runtime.memory import allocated_bytes
+from hookprof._runtime.memory import allocated_bytes, model_device
 from hookprof.hooks.periodic_hook import PeriodicHook
 from hookprof.hooks.session import evaluate_fetches
 from hookprof.hooks.session_run_hook import RunOptions, SessionRunArgs, TraceLevel
@@ -163,6 +163,7 @@ class ProfilerHook(PeriodicHook):
         self._reads_memory = any(t.reads_memory for t in self.triggers)
         self._window = max((t.window for t in self.triggers), default=0) + 1  # the firing step and those before
         self._watching = False
+        self._memory_device: str | None = None
         self._capture: _Capture | None = None  # the fire being captured, while steps remain
         self._quiet_until = -1  # no trigger fires at or before this step (the cooldown)
         self.fired: collections.Counter[str] = collections.Counter()  # trigger fires by kind, over all runs
@@ -190,6 +191,8 @@ class ProfilerHook(PeriodicHook):
 
     def after_create_session(self, session: Any, coord: Any) -> None:
         super().after_create_session(session, coord)
+        # (the device whose memory MemoryJump reads: the model's, not whichever CUDA touched last)
+        self._memory_device = model_device(getattr(session, "model", None)) if self._reads_memory else None
         rank = getattr(session, "rank", 0)
         self._writes_here = self.ranks is None or rank in self.ranks
         if self.triggers and self._writes_here and not self._watching:
@@ -270,7 +273,7 @@ class ProfilerHook(PeriodicHook):
             record.step = step
         # time and memory are judged only on steps that ran as an untraced step runs
         judged = record is not None and not (record.traced or record.disturbed or results.get("batch_idx") == 0)
-        memory = allocated_bytes(step) if judged and self._reads_memory else None
+        memory = allocated_bytes(step, self._memory_device) if judged and self._reads_memory else None
         observation = StepObservation(step, record.seconds if judged else None, None,
                                       *(memory if memory is not None else (None, "")))
         values = {key: host_scalar(value) for key, value in results.items()}
