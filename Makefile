@@ -61,6 +61,7 @@ bench: $(STAMP)
 	KERAS_BACKEND=torch $(BIN)/python bench/trigger_watch_cost.py
 	KERAS_BACKEND=jax $(BIN)/python bench/jax_traced_step.py
 	$(BIN)/python bench/long_run_stability.py
+	$(BIN)/python bench/gpu_traced_step.py  # skips without a CUDA device
 
 clean:
 	rm -rf $(VENV) $(COMPAT) runs lightning_logs .pytest_cache
