@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -69,13 +71,21 @@ class _TrainStepWatch:
         self.batch: Any = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        fit = self.fit
+        if fit.ended:  # left by a fit that failed outside a step (Keras tells no one): put the model's back
+            model = fit.model
+            if getattr(model, "train_function", None) is self:
+                model.train_function = self.function
+            return self.function(*args, **kwargs)
         if len(args) == 1 and isinstance(args[0], (list, tuple)) and len(args[0]) == 1:
             self.batch = args[0][0]  # the torch backend calls train_function([batch])
         try:
+            if fit.driver is not None:
+                fit.driver.start_trace()  # (the tracer runs only inside the step: see HookedSession)
             return self.function(*args, **kwargs)
         except BaseException:
             abort_running_step()
-            self.fit.close()
+            fit.close()
             raise
 
 
@@ -95,9 +105,24 @@ class _Fit:
         self.driver: HookedSession | None = None
         self.session: KerasSession | None = None
         self.watch: _TrainStepWatch | None = None
+        self.ended = False  # end() or close() ran: its watch, if still on the model, only calls through
+        self._callbacks = _fit_callbacks(model)  # (which `Model.fit` call this is: see `running`)
         function = getattr(model, "train_function", None)
+        if isinstance(function, _TrainStepWatch) and not function.fit.running():
+            # left by a fit that failed outside a step (Keras told no one); a fit running around this one
+            # (a nested fit from its callback) keeps its watch, which this one wraps
+            function.fit.close()  # (its hooks' files, what it started; the model's own function goes back)
+            function = getattr(model, "train_function", None)
+            if isinstance(function, _TrainStepWatch):
+                function = function.function
         if function is not None:
             self.watch = model.train_function = _TrainStepWatch(function, self)
+
+    def running(self) -> bool:
+        """Whether this fit's `Model.fit` call is still running on this thread's stack (one that failed has left
+        it, though a traceback may keep its frame)."""
+        callbacks = self._callbacks() if self._callbacks is not None else None
+        return callbacks is not None and _fit_callbacks(self.model, callbacks) is not None
 
     def start(self, leader: HookCallback) -> HookedSession:
         """The first batch (or the end of a fit that ran none): `begin` and `after_create_session` for every
@@ -108,7 +133,9 @@ class _Fit:
             if hasattr(hook, "set_default_output_dir"):
                 hook.set_default_output_dir(DEFAULT_LOG_DIR)
         self.session = KerasSession(self.model)
-        self.driver = HookedSession(hooks, tracer_factory(self.model))
+        # (with a watch on the train function, the step's trace starts there: a later callback's
+        # on_train_batch_begin that raises then leaves no profiler running)
+        self.driver = HookedSession(hooks, tracer_factory(self.model), defer_trace=self.watch is not None)
         for member in self.members:
             member._follows = member is not leader
         leader._driver, leader._session = self.driver, self.session
@@ -133,12 +160,29 @@ class _Fit:
             self._leave()
 
     def _leave(self) -> None:
+        self.ended = True
         if self.watch is not None and getattr(self.model, "train_function", None) is self.watch:
             self.model.train_function = self.watch.function
         if _GATHERING.get(id(self.token)) is self:
             del _GATHERING[id(self.token)]
         for member in self.members:
             member._fit, member._driver, member._session, member._follows = None, None, None, False
+
+
+def _fit_callbacks(model: keras.Model, wanted: Any = None) -> weakref.ref | None:
+    """A weak reference to the `CallbackList` of the innermost `model.fit` on this thread's stack (the one
+    `wanted`, if given), or None (a weak one: a failed fit's traceback must not keep more of it alive)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "fit" and frame.f_locals.get("self") is model:
+            callbacks = frame.f_locals.get("callbacks")
+            if callbacks is not None and (wanted is None or callbacks is wanted):
+                try:
+                    return weakref.ref(callbacks)
+                except TypeError:
+                    return None
+        frame = frame.f_back
+    return None
 
 
 _GATHERING: dict[int, _Fit] = {}  # id(token) -> a fit whose members are joining (before its first batch)

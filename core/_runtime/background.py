@@ -60,6 +60,7 @@ class Background:
         self._jobs: collections.deque[tuple[Callable[[], None], BackgroundJob]] = collections.deque()
         self._idle = threading.Condition()
         self._thread: threading.Thread | None = None
+        self._last: threading.Thread | None = None  # the newest thread started (joined by `drain`)
 
     def submit(self, job: Callable[[], None]) -> BackgroundJob:
         """Run `job()` on the worker after the jobs already submitted; wait on the handle for it. A job's
@@ -77,7 +78,7 @@ class Background:
             except RuntimeError:  # no thread to be had (a thread limit, an interpreter shutting down)
                 self._jobs.remove(entry)
             else:
-                self._thread = thread
+                self._thread = self._last = thread
                 return handle
         log.warning("No background thread could start; writing on the training thread.", exc_info=True)
         self._run(job, handle)
@@ -88,6 +89,14 @@ class Background:
         with self._idle:
             while self._thread is not None and self._thread is not threading.current_thread():
                 self._idle.wait()
+
+    def drain(self) -> None:
+        """Return once every job submitted so far has run and the worker thread has ended (a fit's end leaves
+        no thread of hookprof's behind). From a job itself it returns at once."""
+        self.wait_idle()
+        last = self._last
+        if last is not None and last is not threading.current_thread():
+            last.join()
 
     @property
     def busy(self) -> bool:
@@ -132,6 +141,12 @@ def count_dropped(owner: Any) -> None:
     `+=` on an attribute is no atomic step between threads."""
     with _COUNTING:
         owner.dropped_outputs += 1
+
+
+def drain_all() -> None:
+    """Wait for every job of hookprof's workers and for their threads to end, producers first."""
+    for worker in (BACKGROUND, RENDERS, WRITES):
+        worker.drain()
 
 
 def any_busy() -> bool:

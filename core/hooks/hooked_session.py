@@ -12,11 +12,15 @@ The adapters call, per step, `before_run(...)`, then the framework runs the step
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import logging
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from typing import Any
 
+from hookprof._runtime import worker
+from hookprof._runtime.background import drain_all
+from hookprof._runtime.fit_run import FitRun, close_run, open_run
 from hookprof.hooks.session import Session, StepState, evaluate_fetches
 from hookprof.hooks.session_run_hook import (
     RunMetadata,
@@ -30,7 +34,11 @@ from hookprof.hooks.session_run_hook import (
 from hookprof.tracing import STEP_TRACES, StepTraceCoordinator, TracerFactory
 
 _HOOK_METHODS = ("begin", "after_create_session", "before_run", "after_run", "end")
-_current_feeds: Mapping[str, Any] = {}
+_NO_FEEDS: Mapping[str, Any] = {}
+# The feeds of the step running in this context (the training thread's): a ContextVar, not a module global,
+# so a second fit elsewhere (another thread) neither sees nor clears this one's.
+_current_feeds: contextvars.ContextVar[Mapping[str, Any]] = contextvars.ContextVar("hookprof_feeds",
+                                                                                  default=_NO_FEEDS)
 
 
 def step_feeds() -> Mapping[str, Any]:
@@ -38,30 +46,27 @@ def step_feeds() -> Mapping[str, Any]:
 
     A training step reads them as TF graphs read fed placeholders, e.g. `hookprof.step_feeds().get("lr_scale", 1)`.
     """
-    return _current_feeds
+    return _current_feeds.get()
 
 
 def _publish_feeds(feeds: Mapping[str, Any]) -> None:
     """Make `feeds` what `step_feeds()` returns until the step ends."""
-    global _current_feeds
-    _current_feeds = feeds
+    _current_feeds.set(feeds)
 
 
 @contextlib.contextmanager
 def feeding(feeds: Mapping[str, Any]) -> Iterator[None]:
     """`step_feeds()` returns `feeds` inside the block (fetches run outside a step: `FinalOpsHook`'s)."""
-    previous = _current_feeds
-    _publish_feeds(dict(feeds))
+    token = _current_feeds.set(dict(feeds))
     try:
         yield
     finally:
-        _publish_feeds(previous)
+        _current_feeds.reset(token)
 
 
 def abort_running_step(traces: StepTraceCoordinator = STEP_TRACES) -> None:
     """A step raised: stop its trace (the profiler must not stay on) and drop its feeds."""
-    global _current_feeds
-    _current_feeds = {}
+    _current_feeds.set(_NO_FEEDS)
     traces.abort()
 
 
@@ -89,6 +94,9 @@ class HookedSession:
         hooks: the hooks, called in this order.
         tracer_factory: makes the tracer for a step some hook asked to trace.
         traces: the coordinator that keeps one tracer per step across callbacks (the process-wide one).
+        defer_trace: a traced step's tracer starts at `start_trace()`, not in `before_run`: an adapter whose
+            framework tells no one when a step fails outside the step itself (Keras: another callback's
+            `on_train_batch_begin`) starts it where the step runs, so such a failure leaves no profiler on.
     """
 
     def __init__(
@@ -96,6 +104,7 @@ class HookedSession:
         hooks: Sequence[SessionRunHook],
         tracer_factory: TracerFactory,
         traces: StepTraceCoordinator = STEP_TRACES,
+        defer_trace: bool = False,
     ) -> None:
         self.hooks = check_hooks(hooks)
         if tracer_factory is not None and not callable(tracer_factory):
@@ -109,11 +118,15 @@ class HookedSession:
         self._no_options = RunOptions()  # what hooks see on steps no hook asked options for
         self._key: Hashable = None
         self._session: Session | None = None  # the session of the step running
+        self._run: FitRun | None = None  # what this fit started, stopped when it ends (see `release`)
+        self._defer_trace = defer_trace
+        self._pending_trace: tuple[Hashable, RunOptions] | None = None  # (deferred: started by start_trace)
         # The hooks' quiet_on checks; None when a hook (duck-typed) has none, which turns the fast path off.
         checks = [getattr(hook, "quiet_on", None) for hook in self.hooks]
         self._quiet_checks = checks if all(callable(check) for check in checks) else None
 
     def begin(self) -> None:
+        self._run = open_run()
         self._traces.new_run()
         for hook in self.hooks:
             hook.begin()
@@ -172,23 +185,32 @@ class HookedSession:
         if feeds:
             _publish_feeds(feeds)
         if options is not None and options.trace_level > TraceLevel.NO_TRACE:
-            self._traces.start(step_key, self.tracer_factory, options)
+            if self._defer_trace:
+                self._pending_trace = (step_key, options)
+            else:
+                self._traces.start(step_key, self.tracer_factory, options)
+
+    def start_trace(self) -> None:
+        """Start the trace `before_run` deferred (`defer_trace`), if any: call it where the step itself runs."""
+        pending, self._pending_trace = self._pending_trace, None
+        if pending is not None:
+            self._traces.start(pending[0], self.tracer_factory, pending[1])
 
     def after_run(self, make_state: Callable[[], StepState]) -> bool:
         """Give each hook its results and the step's metadata; return whether a hook requested a stop."""
-        global _current_feeds
         context = self._context
         if context is None:  # before_run did not complete (an earlier callback raised)
             return False
         self._context = None
+        self._pending_trace = None  # (a deferred trace whose step never ran: nothing was recorded)
         if context is _QUIET:  # no hook has anything to do; the step still ends (data-wait clock, last_step)
             self._traces.finish(self._key)
             session = self._session
             if isinstance(session, Session):
                 session._last_step = make_state  # (the property's setter, without its call: every idle step)
             return False
-        if _current_feeds:
-            _current_feeds = {}
+        if _current_feeds.get():
+            _current_feeds.set(_NO_FEEDS)
         fetches = self._fetches
         state = make_state() if fetches else None
         metadata = self._traces.finish(self._key)
@@ -213,19 +235,41 @@ class HookedSession:
         abort_running_step(self._traces)
 
     def end(self, session: Session) -> None:
-        for hook in self.hooks:
-            hook.end(session)
+        """A clean finish or a requested stop: every hook's `end()`, then what the fit started is stopped."""
+        try:
+            for hook in self.hooks:
+                hook.end(session)
+        finally:
+            self.release()
 
     def close(self) -> None:
-        """Training failed: release what the hooks hold (files, writers) without calling `end()` (TF's rule).
-        Hooks opt in with a `close()` method (this project's hooks have one)."""
-        for hook in self.hooks:
-            close = getattr(hook, "close", None)
-            if callable(close):
-                try:
-                    close()
-                except Exception:  # one hook's cleanup must not stop the others'
-                    logging.getLogger(__name__).exception("%s.close() failed", type(hook).__name__)
+        """Training failed: release what the hooks hold (files, writers) without calling `end()` (TF's rule),
+        then stop what the fit started. Hooks opt in with a `close()` method (this project's hooks have one)."""
+        try:
+            for hook in self.hooks:
+                close = getattr(hook, "close", None)
+                if callable(close):
+                    try:
+                        close()
+                    except Exception:  # one hook's cleanup must not stop the others'
+                        logging.getLogger(__name__).exception("%s.close() failed", type(hook).__name__)
+        finally:
+            self.release()
+
+    def release(self) -> None:
+        """Stop everything hookprof started for this fit, however it ended: a running trace (the profiler and
+        its module hooks), the step's feeds, the background threads (once their files are written), the render
+        worker process and what else registered with the fit's run (a JAX compile listener). Safe to call
+        twice; `end()` and `close()` call it."""
+        self._context = self._pending_trace = None
+        abort_running_step(self._traces)
+        try:
+            drain_all()
+            worker.WORKER.stop()
+        finally:
+            run, self._run = self._run, None
+            if run is not None:
+                close_run(run)
 
 
 def _merge_feeds(feeds: dict, new: Mapping, user: Mapping, hook_name: str) -> None:

@@ -23,6 +23,7 @@ import threading
 import time
 from typing import Any
 
+from hookprof._runtime.fit_run import on_fit_end
 from hookprof._runtime.gc_pause import paused_gc
 from hookprof._runtime.warn_once import WarnOnce
 from hookprof.hooks.session_run_hook import RunOptions, TraceLevel
@@ -187,7 +188,8 @@ class _ProgramCache:
         self._listening = False
 
     def listen(self) -> None:
-        """Count JAX's compiles from now on (once per process)."""
+        """Count JAX's compiles from now on, until the fit running ends (`unlisten`; outside a fit, for the
+        process)."""
         if self._listening:
             return
         self._listening = True
@@ -197,6 +199,22 @@ class _ProgramCache:
             monitoring.register_event_duration_secs_listener(self._on_event)
         except (ImportError, AttributeError):
             self.compiles = -1
+            return
+        on_fit_end("jax-compile-listener", self.unlisten)
+
+    def unlisten(self) -> None:
+        """Stop counting (the fit ended: nothing of hookprof's stays registered with JAX). Compiles until the
+        next `listen` go unseen, so the next trace exports HLO."""
+        if not self._listening:
+            return
+        self._listening = False
+        self.need_hlo = True
+        try:
+            from jax import monitoring
+
+            monitoring.unregister_event_duration_listener(self._on_event)
+        except (ImportError, AttributeError, ValueError, AssertionError):
+            pass
 
     def _on_event(self, event: str, duration: float, **kwargs: Any) -> None:
         if event == COMPILE_EVENT and self.compiles >= 0:

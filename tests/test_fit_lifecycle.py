@@ -1,0 +1,191 @@
+"""One owner per fit: after a real `Trainer.fit` or `Model.fit` returns or raises, however it ended, nothing
+hookprof started is left: no thread, no child process, no torch profiler or module hook, no wrapper on the
+model, no JAX listener, and the garbage collector is on."""
+
+from __future__ import annotations
+
+import contextvars
+import gc
+import os
+import threading
+
+import keras
+import lightning as L
+import pytest
+import torch
+
+from hookprof._runtime import worker
+from hookprof._runtime.fit_run import FitRun, close_run, on_fit_end, open_run
+from keras_prof import HookCallback as KerasHookCallback
+from keras_prof import ProfilerHook as KerasProfilerHook
+from keras_prof.hook_callback import _TrainStepWatch
+from lightning_prof import ProfilerHook, SummarySaverHook
+from tests.conftest import RecordingHook, timeline_steps
+from tests.lightning_models import TinyModel, loader, trainer
+from tests.test_keras_prof import data as keras_data
+from tests.test_keras_prof import model as keras_model
+
+
+def leftovers() -> list[str]:
+    """What of hookprof's is still running in this process."""
+    found = [f"thread {t.name}" for t in threading.enumerate() if t.name.startswith("hookprof")]
+    process = worker.WORKER._process
+    if process is not None and process.poll() is None:
+        found.append(f"render worker pid {process.pid}")
+    children = _children()
+    if children:
+        found.append(f"child processes {children}")
+    if torch._C._autograd._profiler_enabled():
+        found.append("torch profiler enabled")
+    from torch.nn.modules import module
+
+    if module._global_forward_hooks or module._global_forward_pre_hooks:
+        found.append("global module hooks")
+    if not gc.isenabled():
+        found.append("gc disabled")
+    return found
+
+
+def _children() -> list[int]:
+    pid = os.getpid()
+    children = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            children += [int(c) for c in f.read().split()]
+    return children
+
+
+class RaiseIn(L.Callback):
+    """Another callback that raises at a given hook of a given step."""
+
+    def __init__(self, where: str, step: int):
+        self.where, self.step = where, step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if self.where == "batch_start" and trainer.global_step + 1 == self.step:
+            raise RuntimeError("another callback failed")
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if self.where == "batch_end" and trainer.global_step == self.step:
+            raise RuntimeError("another callback failed")
+
+
+@pytest.mark.parametrize("how", ["clean", "requested stop", "step raises", "other callback at batch start",
+                                 "other callback at batch end"])
+def test_lightning_fit_leaves_nothing_running(tmp_dir, how):
+    hooks = [ProfilerHook(save_steps=2, output_dir=tmp_dir, show_memory=True),
+             SummarySaverHook(save_steps=2, output_dir=tmp_dir,
+                              summary_op=__import__("hookprof").summary.scalar("loss", lambda s: s.outputs["loss"]))]
+    model = TinyModel(fail_at_step=5 if how == "step raises" else None)
+    callbacks = list(hooks)
+    if how == "requested stop":
+        callbacks.append(__import__("lightning_prof").HookCallback([RecordingHook(stop_at=5)]))
+    elif how.startswith("other callback"):
+        # the step after a traced one (4): its trace is running when the other callback raises at its start
+        callbacks.append(RaiseIn("batch_start" if how.endswith("start") else "batch_end", 4))
+    fit = trainer(tmp_dir, callbacks, 8)
+    if how in ("clean", "requested stop"):
+        fit.fit(model, loader())
+    else:
+        with pytest.raises(RuntimeError):
+            fit.fit(model, loader())
+    assert leftovers() == []
+    assert timeline_steps(tmp_dir)[:1] == [2]  # it did trace (a render worker and threads ran)
+
+
+class KerasRaiseAtBatchBegin(keras.callbacks.Callback):
+    def __init__(self, batch: int):
+        super().__init__()
+        self.batch = batch
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if batch == self.batch:
+            raise RuntimeError("another callback failed")
+
+
+def failing_batches(n_ok: int):
+    x, y = keras_data()
+    for i in range(n_ok):
+        yield x[i * 8:(i + 1) * 8], y[i * 8:(i + 1) * 8]
+    raise RuntimeError("the data failed")
+
+
+@pytest.mark.parametrize("how", ["clean", "step raises"])
+def test_keras_fit_leaves_nothing_running(tmp_dir, how):
+    model = keras_model(fail_at=None if how == "clean" else 4)
+    hook = KerasProfilerHook(save_steps=2, output_dir=tmp_dir, show_memory=True)
+    if how == "clean":
+        model.fit(*keras_data(), batch_size=8, epochs=1, callbacks=[hook], verbose=0)
+    else:
+        with pytest.raises(RuntimeError, match="boom at step 4"):
+            model.fit(*keras_data(), batch_size=8, epochs=1, callbacks=[hook], verbose=0)
+    assert leftovers() == []
+    assert not isinstance(model.train_function, _TrainStepWatch)
+    assert timeline_steps(tmp_dir)[:1] == [2]
+
+
+@pytest.mark.parametrize("where", ["another callback", "the data"])
+def test_keras_fit_failing_outside_its_step_leaves_no_profiler_and_the_next_fit_cleans_up(tmp_dir, where):
+    """Keras calls no callback when a fit fails outside its train step (another callback's
+    `on_train_batch_begin`, the data). The traced step's tracer starts only inside the step, so such a failure
+    at a traced step leaves no profiler or module hook running; the next fit of the model (with any
+    callbacks) closes the failed fit's hooks, stops what it started and puts the model's own train function
+    back."""
+    model = keras_model()
+    x, y = keras_data()
+    hook = KerasProfilerHook(save_steps=2, output_dir=tmp_dir)
+    # batch 3 is global step 4, traced (TF's schedule: timeline-2, then timeline-4)
+    if where == "another callback":
+        with pytest.raises(RuntimeError, match="another callback failed"):
+            model.fit(x, y, batch_size=8, epochs=1, callbacks=[hook, KerasRaiseAtBatchBegin(3)], verbose=0)
+    else:
+        with pytest.raises(RuntimeError, match="the data failed"):
+            model.fit(failing_batches(3), epochs=1, steps_per_epoch=6, callbacks=[hook], verbose=0)
+    assert not torch._C._autograd._profiler_enabled()
+    from torch.nn.modules import module
+
+    assert not module._global_forward_hooks and not module._global_forward_pre_hooks and gc.isenabled()
+    other = os.path.join(tmp_dir, "second")
+    recording = RecordingHook()
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0,
+              callbacks=[KerasHookCallback([recording]), KerasProfilerHook(save_steps=2, output_dir=other)])
+    assert leftovers() == []
+    assert not isinstance(model.train_function, _TrainStepWatch)
+    assert timeline_steps(other) == [4, 6, 8]  # (the model's optimizer is at step 3: steps 4-9)
+    assert timeline_steps(tmp_dir) == [2]  # the failed fit's last timeline, finished when it was closed
+    assert recording.names()[-1] == "end"
+
+
+def test_a_fit_run_stops_what_registered_newest_first_once_and_outside_a_fit_nothing_registers():
+    contextvars.Context().run(_fit_run_order)  # (a context of its own: no run left current by another test)
+
+
+def _fit_run_order():
+    order = []
+    assert on_fit_end("a", order.append, "outside") is False
+    run = open_run()
+    assert on_fit_end("a", order.append, "a") and on_fit_end("b", order.append, "b")
+    assert on_fit_end("a", order.append, "a again")  # (one stop per key)
+    run.on_end("c", lambda: 1 / 0)  # a stop that raises: logged, the rest still run
+    close_run(run)
+    close_run(run)
+    assert order == ["b", "a"]
+    assert on_fit_end("d", order.append, "d") is False
+    assert isinstance(run, FitRun) and run.closed
+
+
+def test_the_jax_compile_listener_is_registered_for_a_fit_only():
+    jax = pytest.importorskip("jax")
+    from jax._src import monitoring
+
+    from hookprof.tracing.jax_tracer import _ProgramCache
+
+    programs = _ProgramCache()
+    run = open_run()
+    programs.listen()
+    assert programs._on_event in monitoring.get_event_duration_listeners()
+    jax.jit(lambda v: v * 3)(jax.numpy.ones(3)).block_until_ready()
+    assert programs.compiles >= 1
+    close_run(run)
+    assert programs._on_event not in monitoring.get_event_duration_listeners()
+    assert programs.hlo_epoch() is not None  # compiles it could not see: the next trace exports HLO
