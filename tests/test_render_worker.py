@@ -22,7 +22,6 @@ import torch
 from hookprof._runtime import worker
 from hookprof.hooks import profiler_hook
 from hookprof.trace import format as fmt
-from hookprof.tracing import STEP_TRACES
 from hookprof.tracing.kineto_trace import KinetoExport, flops
 from lightning_prof import HookCallback, ProfilerHook
 from tests import worker_probe
@@ -244,8 +243,9 @@ def test_without_the_worker_the_same_files_come_from_the_background_thread(tmp_p
 
 
 def test_exports_are_removed_once_rendered_and_a_dead_processs_are_removed_later(tmp_path, monkeypatch):
-    import gc
     import tempfile
+
+    import lightning as L
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
     os.mkdir(tempfile.tempdir)
@@ -256,19 +256,23 @@ def test_exports_are_removed_once_rendered_and_a_dead_processs_are_removed_later
     for directory in (stale, alive):
         directory.mkdir()
         (directory / "step-0.json").write_text("{}")
-    fit = trainer(str(tmp_path), [ProfilerHook(save_steps=2, output_dir=str(tmp_path / "prof"))], max_steps=4)
-    fit.fit(TinyModel(), loader())
-    del fit
-    gc.collect()
+        os.utime(directory, (0, 0))  # made long ago, by a hookprof that claimed it by pid alone
+    seen = []
+
+    class Look(L.Callback):  # what this process's export directory holds at each step's end
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            mine = [p for p in (tmp_path / "tmp").iterdir() if p.name.startswith(f"hookprof-{os.getpid()}-")]
+            seen.append([(oct(p.stat().st_mode & 0o777), sorted(c.name for c in p.iterdir())) for p in mine])
+
+    hook = ProfilerHook(save_steps=2, output_dir=str(tmp_path / "prof"))
+    trainer(str(tmp_path), [hook, Look()], max_steps=4).fit(TinyModel(), loader())
     assert not stale.exists() and (alive / "step-0.json").exists()
-    (mine,) = [p for p in (tmp_path / "tmp").iterdir() if p.name.startswith(f"hookprof-{os.getpid()}-")]
-    assert oct(mine.stat().st_mode & 0o777) == oct(0o700)  # op names and code paths are not for other users
-    # step 2's export went with its step; step 4's stays while its RunMetadata may still be read (the
-    # trace coordinator keeps the last traced step's until the next trace or run), then goes too
-    assert len(list(mine.iterdir())) == 1
-    STEP_TRACES.new_run()
-    gc.collect()
-    assert list(mine.iterdir()) == []
+    # one private directory (0700: op names and code paths are not for other users), claimed by its lock file
+    # from the first traced step on; exports come and go with their steps; the fit's end removes it
+    assert seen[0] == [] and {mode for entry in seen[1:] for mode, _ in entry} == {oct(0o700)}
+    assert all(".owner" in names for entry in seen[1:] for _, names in entry)
+    assert sorted(p.name for p in (tmp_path / "tmp").iterdir()) == [alive.name]
+    assert [os.path.basename(p) for p in hook.saved_paths] == ["timeline-2.json", "timeline-4.json"]
 
 
 def test_a_forked_child_leaves_the_parents_exports_alone(tmp_path):

@@ -13,7 +13,7 @@ import os
 import re
 import secrets
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import BinaryIO
 
 TEMP_SUFFIX = ".tmp"
@@ -98,6 +98,13 @@ def remove_stale_temps(directory: str) -> list[str]:
 def remove_left_by_dead_processes(directory: str, name: re.Pattern[str]) -> list[str]:
     """Delete what processes that no longer run left in `directory`: the entries (files, or directories and
     all they hold) whose name matches `name`, the process id as its first group; return their names."""
+    return remove_entries(directory, name, lambda path, pid: pid != os.getpid() and not process_alive(pid))
+
+
+def remove_entries(directory: str, name: re.Pattern[str], stale: Callable[[str, int], bool]) -> list[str]:
+    """Delete the entries of `directory` (files, or directories and all they hold; never what a symlink points
+    to) whose name matches `name` (a process id as its first group) and for which `stale(path, pid)` holds;
+    return their names."""
     removed = []
     try:
         names = os.listdir(directory)
@@ -105,8 +112,8 @@ def remove_left_by_dead_processes(directory: str, name: re.Pattern[str]) -> list
         return removed
     for entry in names:
         match = name.match(entry)
-        if match and int(match.group(1)) != os.getpid() and not process_alive(int(match.group(1))):
-            path = os.path.join(directory, entry)
+        path = os.path.join(directory, entry)
+        if match and stale(path, int(match.group(1))):
             with contextlib.suppress(OSError):
                 if os.path.isdir(path) and not os.path.islink(path):
                     shutil.rmtree(path)
@@ -116,5 +123,5 @@ def remove_left_by_dead_processes(directory: str, name: re.Pattern[str]) -> list
     return removed
 
 
-__all__ = ["FILE_LAYER", "FileLayer", "atomic_write", "process_alive", "remove_left_by_dead_processes",
-           "remove_stale_temps", "temp_path_for", "use_file_layer"]
+__all__ = ["FILE_LAYER", "FileLayer", "atomic_write", "process_alive", "remove_entries",
+           "remove_left_by_dead_processes", "remove_stale_temps", "temp_path_for", "use_file_layer"]

@@ -534,6 +534,10 @@ def render_step(source: Any, writer: ChromeTraceWriter, spec: _RenderSpec) -> _R
     if not isinstance(source, StepStats):
         try:
             stats = source.to_stats()
+        except FileNotFoundError as err:  # something removed it from TMPDIR (a tmp cleaner) before its render
+            rendered.convert_error = (f"its export {err.filename} was removed from the temporary directory before "
+                                      "it was rendered (a tmp cleaner?); the next traced steps make it again")
+            return rendered
         except Exception:  # a conversion bug costs this trace, never the training run
             rendered.convert_error = traceback.format_exc()
             return rendered

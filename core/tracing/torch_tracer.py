@@ -16,9 +16,6 @@ import errno
 import itertools
 import logging
 import os
-import re
-import shutil
-import tempfile
 import threading
 import weakref
 from collections.abc import Iterator
@@ -26,8 +23,9 @@ from typing import Any
 
 import torch
 
-from hookprof._runtime.atomic_file import remove_left_by_dead_processes
+from hookprof._runtime.fit_run import on_fit_end
 from hookprof._runtime.gc_pause import paused_gc
+from hookprof._runtime.private_dir import PrivateDirectory
 from hookprof.hooks.session_run_hook import RunOptions, TraceLevel
 from hookprof.naming import root_label
 from hookprof.step_stats import StepStats
@@ -133,6 +131,8 @@ class TorchTracer(Tracer):
                 "hookprof skips its traces while it runs"
             )
         self._options = options
+        # (its exports are read by the fit's renders, all done when the fit ends: the directory goes then)
+        on_fit_end("torch-export-directory", _EXPORTS.release)
         use_cuda = torch.cuda.is_available() and options.trace_level >= TraceLevel.HARDWARE_TRACE
         full = options.trace_level >= TraceLevel.FULL_TRACE
         # A step that needs only kineto's export stops cheaper when torch builds nothing for Python (the event
@@ -228,33 +228,24 @@ class _Recording:
         return exported.to_stats()
 
 
-_EXPORTS: dict[tuple[int, str], str] = {}  # (process, temporary directory) -> this process's export directory
-_EXPORT_PREFIX = "hookprof-"
-_EXPORT_DIRECTORY = re.compile(rf"^{_EXPORT_PREFIX}(\d+)-")
+# This process's private directory for kineto's exports (mode 0700: op names and code paths are not for other
+# users), in TMPDIR, claimed by a lock while this process lives (see hookprof._runtime.private_dir): made again
+# if something removes it, removed when the fit ends (or the process exits, outside a fit).
+_EXPORTS = PrivateDirectory("hookprof-")
+atexit.register(_EXPORTS.release)
 _exports_made = itertools.count()
 
 
 def _export_path() -> str:
-    """A fresh path for a step's export, in a private directory of this process's (mode 0700: op names and
-    code paths are not for other users) inside the temporary directory (TMPDIR). Making that directory, the
-    ones of processes that died without removing theirs are removed."""
-    pid, parent = os.getpid(), tempfile.gettempdir()
-    directory = _EXPORTS.get((pid, parent))
-    if directory is None:
-        remove_left_by_dead_processes(parent, _EXPORT_DIRECTORY)
-        directory = _EXPORTS[(pid, parent)] = tempfile.mkdtemp(prefix=f"{_EXPORT_PREFIX}{pid}-", dir=parent)
-        atexit.register(_remove_own, directory, pid, True)
+    """A fresh path for a step's export in this process's private export directory."""
+    directory = _EXPORTS.path()
     return os.path.join(directory, f"step-{next(_exports_made)}.json")
 
 
-def _remove_own(path: str, pid: int, tree: bool = False) -> None:
+def _remove_own(path: str, pid: int) -> None:
     """Remove `path` if this is the process that made it (a forked child drops the parent's exports as
     garbage: they are not its to remove)."""
-    if os.getpid() != pid:
-        return
-    if tree:
-        shutil.rmtree(path, ignore_errors=True)
-    else:
+    if os.getpid() == pid:
         _remove(path)
 
 

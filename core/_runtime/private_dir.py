@@ -1,0 +1,97 @@
+"""Private working directories in a shared temporary directory, claimed by a lock while their process lives.
+
+A process's directory (`<prefix><pid>-<random>`, mode 0700) holds an `.owner` file on which the process keeps
+an exclusive `flock` for as long as the directory is its own. Another process sweeping the temporary
+directory removes only directories whose lock it can take: their owner has died (the kernel drops a dead
+process's locks). A pid alone would not do: two containers sharing `/tmp` have separate pid namespaces, so
+a live neighbour's pid can look dead (or be reused) from here, and its live directory would be removed.
+
+A directory removed under its owner (a tmp cleaner, `rm -rf /tmp/*`) is made again at the next use.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+import re
+import shutil
+import tempfile
+import time
+
+from hookprof._runtime.atomic_file import process_alive, remove_entries
+
+OWNER_FILE = ".owner"
+UNCLAIMED_GRACE_SECONDS = 60.0  # a directory without its lock file yet is left alone this long (being made)
+
+
+class PrivateDirectory:
+    """This process's claimed directory under `parent` (default: the temporary directory, read at each use),
+    made on first use and again whenever it has gone."""
+
+    def __init__(self, prefix: str, parent: str | None = None) -> None:
+        self.prefix = prefix
+        self._parent = parent
+        self._path: str | None = None
+        self._fd: int | None = None
+        self._pid = os.getpid()
+        self._pattern = re.compile(rf"^{re.escape(prefix)}(\d+)-")
+
+    def path(self) -> str:
+        """The directory, made (and the stale ones of dead processes removed) if it is not there."""
+        if self._pid != os.getpid():  # a forked child: the parent's directory and lock are not its own
+            self._path, self._fd, self._pid = None, None, os.getpid()
+        path = self._path
+        if path is not None and os.path.isfile(os.path.join(path, OWNER_FILE)):
+            return path
+        self.release()
+        parent = self._parent or tempfile.gettempdir()
+        remove_unclaimed(parent, self._pattern)
+        path = tempfile.mkdtemp(prefix=f"{self.prefix}{os.getpid()}-", dir=parent)
+        fd = os.open(os.path.join(path, OWNER_FILE), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # (new and ours: never contended)
+        self._path, self._fd = path, fd
+        return path
+
+    def release(self) -> None:
+        """Remove the directory (if this process made it) and drop its claim."""
+        path, fd = self._path, self._fd
+        self._path = self._fd = None
+        if path is not None and self._pid == os.getpid():
+            shutil.rmtree(path, ignore_errors=True)
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+def remove_unclaimed(parent: str, pattern: re.Pattern[str]) -> list[str]:
+    """Remove the directories in `parent` whose name matches `pattern` and whose owner no longer holds their
+    lock; return their names. One without a lock file (an older hookprof's, or one being made) is removed
+    only once it is older than UNCLAIMED_GRACE_SECONDS and its pid is not alive here."""
+    return remove_entries(parent, pattern,
+                          lambda path, pid: not os.path.islink(path) and os.path.isdir(path) and _unclaimed(path, pid))
+
+
+def _unclaimed(path: str, pid: int) -> bool:
+    try:
+        fd = os.open(os.path.join(path, OWNER_FILE), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        try:
+            old = time.time() - os.stat(path).st_mtime > UNCLAIMED_GRACE_SECONDS
+        except OSError:
+            return False
+        return old and pid != os.getpid() and not process_alive(pid)
+    except OSError:
+        return False  # not ours to judge (another user's, a symlink)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as err:
+        if err.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+            return False  # its owner lives (in whatever pid namespace)
+        return False
+    finally:
+        os.close(fd)  # (closing drops the lock we may have taken)
+    return True
+
+
