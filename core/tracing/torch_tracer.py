@@ -28,8 +28,8 @@ import torch
 
 from hookprof._runtime.atomic_file import remove_left_by_dead_processes
 from hookprof._runtime.gc_pause import paused_gc
-from hookprof.hooks.session_run_hook import RunOptions, TraceLevel
 from hookprof.naming import root_label
+from hookprof.run_options import RunOptions, TraceLevel
 from hookprof.step_stats import StepStats
 from hookprof.tracing.kineto_trace import MODULE_PREFIX, KinetoExport
 from hookprof.tracing.torch_dataflow import event_tree
