@@ -132,13 +132,23 @@ class AllocatorSample:
 
 
 @dataclasses.dataclass(slots=True)
+class DataEdge:
+    """A tensor `producer` made and `consumer` read; `name` is TF's tensor name, `<producer node>:<slot>`."""
+
+    producer: NodeExecStats
+    consumer: NodeExecStats
+    tensor: TensorDescription
+    name: str
+
+
+@dataclasses.dataclass(slots=True)
 class StepStats:
     """One traced step: the devices, the global step it belongs to, where it came from, and its dataflow."""
 
     dev_stats: list[DeviceStepStats] = dataclasses.field(default_factory=list)
     step: int | None = None
     metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
-    edges: list[Any] = dataclasses.field(default_factory=list)  # tracing.dataflow.DataEdge: producer -> consumer
+    edges: list[Any] = dataclasses.field(default_factory=list)  # DataEdge: producer -> consumer
     allocations: list[TensorAllocation] = dataclasses.field(default_factory=list)
     memory_samples: list[AllocatorSample] = dataclasses.field(default_factory=list)
 

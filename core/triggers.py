@@ -29,9 +29,9 @@ import math
 from typing import Any
 
 from hookprof._runtime import arguments
-from hookprof.hooks.nan_tensor_hook import is_non_finite
-from hookprof.hooks.session import check_fetches
-from hookprof.profiler.views import format_memory
+from hookprof._runtime.arguments import check_fetches
+from hookprof._runtime.values import is_non_finite
+from hookprof.units import format_memory
 
 __all__ = ["LossSpike", "MemoryJump", "NonFinite", "SlowStep", "StepObservation", "Trigger"]
 

@@ -1,1 +1,2 @@
-"""Private helpers the hooks share: background work, atomic files, the GC pause, argument checks, warnings."""
+"""Private helpers the hooks share: background work, atomic files, the GC pause, argument checks, NaN checks,
+warnings."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import operator
 import os
+from collections.abc import Mapping
 from typing import Any
 
 
@@ -111,3 +112,22 @@ def make_dir(owner: str, name: str, path: str) -> None:
             f"`{owner}({name}={path!r})`: cannot write there ({err.strerror or err}); "
             f"pass a directory you can write to."
         ) from err
+
+
+def check_fetches(owner: str, name: str, value: Any) -> Any:
+    """A fetch structure as `Session.run` takes it: names, callables, and dicts / lists / tuples of them."""
+
+    def bad(item: Any) -> bool:
+        if isinstance(item, str) or callable(item):
+            return False
+        if isinstance(item, Mapping):
+            return any(bad(v) for v in item.values())
+        if isinstance(item, (list, tuple)):
+            return any(bad(v) for v in item)
+        return True
+
+    if bad(value):
+        raise TypeError(f"`{owner}({name}={value!r})`: `{name}` must be a fetch: a name of a step output or logged "
+                        "metric (\"loss\", \"global_step\"), a callable of the step (hookprof.StepState), or a "
+                        "dict / list / tuple of those.")
+    return value

@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from hookprof._runtime.arguments import check_fetches as check_fetches
+
 
 class Session:
     """What `run_context.session` is: a view of the training loop for hooks (TF's `tf.Session`).
@@ -128,22 +130,3 @@ def evaluate_fetches(fetches: Any, state: StepState) -> Any:
         f"A fetch must be a name (str), a callable of the step state, or a dict/list/tuple of those; "
         f"got {type(fetches).__name__}."
     )
-
-
-def check_fetches(owner: str, name: str, value: Any) -> Any:
-    """A fetch structure as `Session.run` takes it: names, callables, and dicts / lists / tuples of them."""
-
-    def bad(item: Any) -> bool:
-        if isinstance(item, str) or callable(item):
-            return False
-        if isinstance(item, Mapping):
-            return any(bad(v) for v in item.values())
-        if isinstance(item, (list, tuple)):
-            return any(bad(v) for v in item)
-        return True
-
-    if bad(value):
-        raise TypeError(f"`{owner}({name}={value!r})`: `{name}` must be a fetch: a name of a step output or logged "
-                        "metric (\"loss\", \"global_step\"), a callable of the step (hookprof.StepState), or a "
-                        "dict / list / tuple of those.")
-    return value

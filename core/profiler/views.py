@@ -36,6 +36,7 @@ from hookprof.profiler.profile_data import (
     ProfileData,
 )
 from hookprof.step_stats import DTYPE_ITEMSIZE
+from hookprof.units import format_memory, format_number, format_time
 
 ROOT = "_TFProfRoot"
 SCOPE_PARENT = "_kTFScopeParent"  # TF's op type of a scope that is no node itself (tfprof_constants.h)
@@ -117,26 +118,6 @@ def variable_shape(data: NodeData) -> list[int] | None:
     if data.op != "Parameter" or not data.input_shapes:
         return None
     return tf_shape(data.input_shapes[0])
-
-
-def _scaled(value: float, units: tuple[tuple[float, str], ...], plain: str) -> str:
-    """tfprof's number formats: an integer below the first step, then two decimals in the largest unit."""
-    for size, unit in reversed(units):
-        if value >= size:
-            return f"{value / size:.2f}{unit}"
-    return f"{int(round(value))}{plain}"
-
-
-def format_time(micros: float) -> str:
-    return _scaled(micros, ((1000, "ms"), (1_000_000, "sec")), "us")
-
-
-def format_memory(nbytes: float) -> str:
-    return _scaled(nbytes, ((1000, "KB"), (1_000_000, "MB"), (1_000_000_000, "GB")), "B")
-
-
-def format_number(n: float) -> str:
-    return _scaled(n, ((1000, "k"), (1_000_000, "m"), (1_000_000_000, "b")), "")
 
 
 @dataclasses.dataclass(eq=False)

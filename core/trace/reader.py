@@ -13,9 +13,8 @@ import zlib
 
 import orjson
 
-from hookprof.step_stats import AllocatorSample, NodeExecStats, StepStats, TensorAllocation, TensorDescription
+from hookprof.step_stats import AllocatorSample, DataEdge, NodeExecStats, StepStats, TensorAllocation, TensorDescription
 from hookprof.trace import format as fmt
-from hookprof.tracing.dataflow import DataEdge
 
 
 class TimelineError(ValueError):

@@ -20,7 +20,7 @@ from typing import Any
 
 from hookprof._runtime.background import BACKGROUND, any_busy
 from hookprof._runtime.warn_once import WarnOnce
-from hookprof.hooks.session_run_hook import RunMetadata, RunOptions
+from hookprof.run_options import RunMetadata, RunOptions
 from hookprof.step_stats import NodeExecStats, StepStats
 from hookprof.trace import format as fmt
 from hookprof.tracing.tracer import HOST_DEVICE, Tracer, TracerFactory, TracerUnavailable

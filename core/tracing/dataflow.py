@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Hashable, Iterable
 
+from hookprof.step_stats import DataEdge as DataEdge  # (defined with the step stats that hold the edges)
 from hookprof.step_stats import NodeExecStats, TensorDescription
 
 
@@ -34,16 +35,6 @@ class OpData:
     outputs: list[tuple[Hashable, TensorDescription]]
     views: dict[int, int] = dataclasses.field(default_factory=dict)
     mutations: frozenset[int] = frozenset()
-
-
-@dataclasses.dataclass(slots=True)
-class DataEdge:
-    """A tensor `producer` made and `consumer` read; `name` is TF's tensor name, `<producer node>:<slot>`."""
-
-    producer: NodeExecStats
-    consumer: NodeExecStats
-    tensor: TensorDescription
-    name: str
 
 
 def _contains(outer: NodeExecStats, inner: NodeExecStats) -> bool:

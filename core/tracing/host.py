@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hookprof.hooks.session_run_hook import RunOptions
+from hookprof.run_options import RunOptions
 from hookprof.step_stats import StepStats
 from hookprof.tracing.tracer import Tracer
 

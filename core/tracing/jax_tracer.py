@@ -26,8 +26,8 @@ from typing import Any
 from hookprof._runtime.fit_run import on_fit_end
 from hookprof._runtime.gc_pause import paused_gc
 from hookprof._runtime.warn_once import WarnOnce
-from hookprof.hooks.session_run_hook import RunOptions, TraceLevel
 from hookprof.naming import root_label
+from hookprof.run_options import RunOptions, TraceLevel
 from hookprof.step_stats import NodeExecStats, StepStats, TensorDescription, tensor_description
 from hookprof.trace import format as fmt
 from hookprof.tracing import xspace

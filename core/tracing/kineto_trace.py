@@ -23,7 +23,7 @@ import re
 from typing import Any
 
 from hookprof._runtime.gc_pause import paused_gc
-from hookprof.hooks.session_run_hook import RunOptions
+from hookprof.run_options import RunOptions
 from hookprof.step_stats import NodeExecStats, StepStats
 from hookprof.trace import format as fmt
 from hookprof.tracing.dataflow import find_edges

@@ -26,8 +26,8 @@ import torch
 from hookprof._runtime.fit_run import on_fit_end
 from hookprof._runtime.gc_pause import paused_gc
 from hookprof._runtime.private_dir import PrivateDirectory
-from hookprof.hooks.session_run_hook import RunOptions, TraceLevel
 from hookprof.naming import root_label
+from hookprof.run_options import RunOptions, TraceLevel
 from hookprof.step_stats import StepStats
 from hookprof.tracing.kineto_trace import MODULE_PREFIX, KinetoExport
 from hookprof.tracing.torch_dataflow import event_tree

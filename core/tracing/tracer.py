@@ -5,7 +5,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Callable
 
-from hookprof.hooks.session_run_hook import RunOptions
+from hookprof.run_options import RunOptions
 from hookprof.step_stats import StepStats
 
 HOST_DEVICE = "/host:CPU"
