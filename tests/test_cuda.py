@@ -137,6 +137,7 @@ def test_lightning_gpu_memory_equals_torchs_allocator_to_the_byte(tmp_dir):
 
     hook = ProfilerHook(save_steps=2, output_dir=tmp_dir, show_memory=True)
     model = _fit(tmp_dir, [hook])
+    assert hook.saved_paths  # the loop below reads each
     for path in hook.saved_paths:
         trace = load_trace(path)
         step = trace["metadata"]["step"]

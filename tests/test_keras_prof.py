@@ -55,6 +55,7 @@ def test_save_steps_over_epochs_writes_exactly_the_expected_timelines(tmp_dir):
 def test_timeline_holds_forward_backward_and_optimizer_of_exactly_one_step(tmp_dir):
     hook = ProfilerHook(save_steps=3, output_dir=tmp_dir)
     fit(model(), [hook], epochs=1)
+    assert timeline_steps(tmp_dir) == [3, 6]  # 6 steps: the loop below has both to read
     for path in hook.saved_paths:
         trace = load_trace(path)
         ops = op_events(trace)

@@ -27,6 +27,7 @@ def test_save_steps_writes_exactly_the_expected_timelines(tmp_dir, save_steps, m
 def test_timeline_holds_forward_backward_and_optimizer_of_exactly_one_step(tmp_dir):
     hook = ProfilerHook(save_steps=2, output_dir=tmp_dir)
     trainer(tmp_dir, [hook], 4).fit(TinyModel(), loader())
+    assert timeline_steps(tmp_dir) == [2, 4]  # the loop below has both to read
     for path in hook.saved_paths:
         trace = load_trace(path)
         forward, backward, optimizer = (op_names(trace, p) for p in ("forward", "backward", "optimizer"))

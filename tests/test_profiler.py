@@ -75,6 +75,7 @@ def _exclusive_op_micros(path):
 
 def test_op_view_total_is_the_sum_of_the_steps_op_times(run):
     prof, paths = run
+    assert len(paths) == 3  # steps 2, 4, 6
     for path in paths:
         step = int(os.path.basename(path)[9:-5])
         result = prof.profile_operations(quiet({"step": step, "select": ["micros"], "order_by": "micros"}))
@@ -602,6 +603,7 @@ def test_bytes_in_use_at_each_steps_end_are_saved_and_older_files_load_without_t
     prof, paths = run
     allocated = {step: summary.allocated for step, summary in prof.data.steps.items()}
     # what the allocator reported last in each traced step (the hook wrote it to the timeline too)
+    assert len(paths) == 3  # steps 2, 4, 6
     for path in paths:
         trace = load_trace(path)
         counters = [e for e in trace["traceEvents"] if e.get("ph") == "C" and e.get("cat") == "Memory"]

@@ -43,6 +43,7 @@ def test_keyboard_interrupt(tmp_dir):
         signal.signal(signal.SIGINT, previous)  # Lightning ignores SIGINT from then on
     assert rec.names() == ["begin", "after_create_session"] + ["before_run", "after_run"] * 2 + ["before_run"]
     assert not torch._C._autograd._profiler_enabled()
+    assert timeline_steps(tmp_dir) == [2]  # step 2's; step 3 raised before its trace ended: none, not a partial one
     for path in glob.glob(os.path.join(tmp_dir, "timeline-*.json")):
         json.load(open(path))
     (events,) = glob.glob(os.path.join(out, "events.out.tfevents.*"))
