@@ -1,7 +1,7 @@
 # Two entry points, each creates the environment it needs:
 #   make demo   train on the bundled data with the hooks, print where the timelines are
 #   make test   lint (ruff), then the test suite against real Lightning and Keras (torch backend)
-#   make bench  the benchmarks in bench/ (numbers recorded in the README)
+#   make bench  the benchmarks in bench/ (numbers recorded in bench/README.md)
 #   make compat the Lightning and Keras tests again, against the oldest lightning and keras pyproject declares
 PYTHON ?= python3
 VENV   := .venv
