@@ -138,20 +138,31 @@ def _check_factor(owner: str, factor: Any) -> float:
 
 class SlowStep(_RollingTrigger):
     """Fires on a step slower than `factor` times the median of the last `window` judged steps (once
-    `min_steps` were judged). A step's time is from the previous step's end (data wait included) to its own.
+    `min_steps` were judged) and at least `min_excess_seconds` above it. A step's time is from the previous
+    step's end (data wait included) to its own.
 
-    Example: `SlowStep(factor=3.0, window=100, min_steps=20)`: a 41 ms step in a run of 10 ms steps.
+    The absolute floor keeps the host's own noise quiet: on a step of a millisecond, a scheduler preemption
+    or a garbage-collection pass of the training process makes a step several times the median many times an
+    hour, and tracing the next step shows nothing of it. Lower `min_excess_seconds` to catch smaller stalls
+    of short steps.
+
+    Example: `SlowStep(factor=3.0, window=100, min_steps=20)`: a 150 ms step in a run of 20 ms steps.
     """
 
     kind = "slow_step"
 
-    def __init__(self, factor: float = 3.0, window: int = 100, min_steps: int = 20) -> None:
+    def __init__(self, factor: float = 3.0, window: int = 100, min_steps: int = 20,
+                 min_excess_seconds: float = 0.05) -> None:
         super().__init__("SlowStep", window, min_steps)
         self.factor = _check_factor("SlowStep", factor)
+        self.min_excess_seconds = arguments.check_seconds("SlowStep", "min_excess_seconds", min_excess_seconds,
+                                                          zero=True)
 
     def observe(self, observation: StepObservation) -> str | None:
+        floor = self.min_excess_seconds
         return self._judge(observation.seconds, lambda seconds, median: (
-            f"{_ms(seconds)} against a median of {_ms(median)}" if seconds > self.factor * median else None))
+            f"{_ms(seconds)} against a median of {_ms(median)}"
+            if seconds > self.factor * median and seconds - median >= floor else None))
 
 
 class NonFinite(Trigger):

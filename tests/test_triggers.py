@@ -260,8 +260,52 @@ def test_slow_step_ignores_steps_not_judged_and_waits_for_min_steps():
     assert slow.observe(StepObservation(5, seconds=0.5)) == "500.0 ms against a median of 10.0 ms"
 
 
+def test_slow_step_needs_an_absolute_excess_so_sub_millisecond_jitter_stays_quiet():
+    slow = SlowStep(window=20, min_steps=5)
+    for step in range(1, 11):
+        assert slow.observe(StepObservation(step, seconds=0.0006)) is None
+    assert slow.observe(StepObservation(11, seconds=0.002)) is None  # 3.3x the median, 1.4 ms above it: noise
+    assert slow.observe(StepObservation(12, seconds=0.0006 + 0.05)) is not None  # 50 ms above: a stall
+    strict = SlowStep(window=20, min_steps=5, min_excess_seconds=0)
+    for step in range(1, 11):
+        strict.observe(StepObservation(step, seconds=0.0006))
+    assert strict.observe(StepObservation(11, seconds=0.002)) == "2.0 ms against a median of 0.6 ms"
+
+
+class Healthy(L.LightningModule):
+    """A small model whose steps take well under a millisecond of work: only the host's noise varies them."""
+
+    def __init__(self, seed):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def test_slow_step_stays_quiet_over_twenty_healthy_runs_and_fires_on_a_planted_stall(tmp_path):
+    from lightning_prof import ProfilerHook
+
+    fired = []
+    for seed in range(20):
+        hook = ProfilerHook(triggers=[SlowStep()], output_dir=str(tmp_path / f"run{seed}"), tensorboard=False)
+        trainer(str(tmp_path), [hook], max_steps=300, logger=False).fit(Healthy(seed), loader(n=64, batch_size=8))
+        fired.append(dict(hook.hook.fired))
+    assert fired == [{}] * 20
+    hook = ProfilerHook(triggers=[SlowStep()], output_dir=str(tmp_path / "stall"), tensorboard=False)
+    fit_lightning(tmp_path, hook, 80, Planted(at=60, problem="slow"))  # 20 ms steps, one of 320 ms
+    assert hook.hook.fired == {"slow_step": 1} and [os.path.basename(p) for p in hook.saved_paths] == [
+        "timeline-61.json"]
+
+
 @pytest.mark.parametrize("make, message", [
     (lambda: SlowStep(factor=1.0), "`factor` must be a number > 1"),
+    (lambda: SlowStep(min_excess_seconds=-1), "`min_excess_seconds` must be a number of seconds >= 0"),
     (lambda: SlowStep(window=10, min_steps=20), "make it at most `window`"),
     (lambda: MemoryJump(0), "`bytes` must be an int >= 1"),
     (lambda: NonFinite(3), "`fetch` must be a fetch"),

@@ -27,11 +27,13 @@ def check_positive_int(owner: str, name: str, value: Any) -> int:
     return check_int(owner, name, value, 1)
 
 
-def check_seconds(owner: str, name: str, value: Any) -> float:
+def check_seconds(owner: str, name: str, value: Any, zero: bool = False) -> float:
+    """A finite number of seconds, > 0 (>= 0 with `zero`)."""
+    bound = ">= 0" if zero else "> 0"
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"`{owner}({name}={value!r})`: `{name}` must be a number of seconds > 0.")
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"`{owner}({name}={value!r})`: `{name}` must be a number of seconds > 0.")
+        raise TypeError(f"`{owner}({name}={value!r})`: `{name}` must be a number of seconds {bound}.")
+    if not math.isfinite(value) or value < 0 or (value == 0 and not zero):
+        raise ValueError(f"`{owner}({name}={value!r})`: `{name}` must be a number of seconds {bound}.")
     return value
 
 
