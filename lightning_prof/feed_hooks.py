@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -56,6 +55,6 @@ class GlobalStepWaiterHook(HookCallback):
     """
 
     def __init__(self, wait_until_step: int, global_step_fn: Callable[[], int] | None = None,
-                 sleep: Callable[[float], Any] = time.sleep) -> None:
+                 sleep: Callable[[float], Any] | None = None) -> None:
         self.hook = CoreGlobalStepWaiterHook(wait_until_step, global_step_fn, sleep)
         super().__init__([self.hook])

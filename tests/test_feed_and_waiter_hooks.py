@@ -2,6 +2,7 @@
 FeedFnHook in a real Lightning fit (step_feeds() and dict batches) and a real Keras fit (a custom train_step)."""
 
 import logging
+import time
 
 import keras
 import lightning as L
@@ -202,6 +203,19 @@ def test_waiter_reads_global_step_fn_when_given():
     hook.begin()
     hook.before_run(SessionRunContext(None, ManualSession()))
     assert counter["step"] == 4 and hook.worker_is_started
+
+
+def test_waiter_sleeps_through_a_patched_time_sleep():
+    """TF's tests (and users') patch `time.sleep`; the default must see the patch, not a reference bound when
+    the module was imported (which waited for ever)."""
+    from unittest import mock
+
+    session = ChiefSession([3, 7])
+    hook = GlobalStepWaiterHook(wait_until_step=5)
+    hook.begin()
+    with mock.patch.object(time, "sleep", session.sleep):
+        hook.before_run(SessionRunContext(original_args=None, session=session))
+    assert session.sleeps == [0.5, 0.5] and hook.worker_is_started
 
 
 def test_waiter_arguments():

@@ -31,7 +31,8 @@ class GlobalStepWaiterHook(SessionRunHook):
         wait_until_step: the global step to wait for; `<= 0` means never wait.
         global_step_fn: optional (not in TF): a function of no arguments returning the global step to wait on,
             instead of `run_context.session.global_step`.
-        sleep: optional (not in TF): what waits between polls, `time.sleep` (tests pass a fake).
+        sleep: optional (not in TF): what waits between polls; None (the default) is `time.sleep`, looked up at
+            each poll, so a test's `mock.patch.object(time, "sleep", ...)` (TF's own tests do this) reaches it.
 
     Timing and messages are TF's: in the first `before_run` (of each fit: `begin` resets it), unless
     `wait_until_step <= 0`, it logs `"Waiting for global step %d before starting training."` once, then polls
@@ -44,12 +45,13 @@ class GlobalStepWaiterHook(SessionRunHook):
     POLL_SECS = 0.5  # TF's time.sleep(0.5) between polls
 
     def __init__(self, wait_until_step: int, global_step_fn: Callable[[], int] | None = None,
-                 sleep: Callable[[float], Any] = time.sleep) -> None:
+                 sleep: Callable[[float], Any] | None = None) -> None:
         self.wait_until_step = arguments.check_int("GlobalStepWaiterHook", "wait_until_step", wait_until_step)
         if global_step_fn is not None and not callable(global_step_fn):
             raise TypeError(f"`GlobalStepWaiterHook(global_step_fn={global_step_fn!r})`: pass a function of no "
                             "arguments returning the global step, or None to read `run_context.session.global_step`.")
-        arguments.check_callable("GlobalStepWaiterHook", "sleep", sleep)
+        if sleep is not None:
+            arguments.check_callable("GlobalStepWaiterHook", "sleep", sleep)
         self._global_step_fn = global_step_fn
         self._sleep = sleep
         self._worker_is_started = False
@@ -86,4 +88,4 @@ class GlobalStepWaiterHook(SessionRunHook):
                 logger.info("Waiting for global step %d before starting training. Current step is %d.",
                             self.wait_until_step, current_step)
                 last_logged_step = current_step
-            self._sleep(self.POLL_SECS)
+            (self._sleep or time.sleep)(self.POLL_SECS)
