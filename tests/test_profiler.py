@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from hookprof.profiler import ProfileFormatError, Profiler
+from hookprof.profiler import ProfileFormatError, Profiler, views
 from hookprof.profiler import ProfileOptionBuilder as B
 from hookprof.profiler.profile_data import BYTES, OUTPUT
 from hookprof.profiler.serialize import MAGIC
@@ -183,16 +183,22 @@ def test_code_view_names_the_users_lines(run):
     opts = B(B.time_and_memory(min_bytes=0)).with_node_names(show_name_regexes=[".*lightning_models.py.*"]).build()
     root = prof.profile_python(quiet(opts))
     lines = {n.name: n.total_exec_micros for n in root.walk() if n.name != "_TFProfRoot"}
-    assert any(name.endswith(": forward") for name in lines) and any(name.endswith(": training_step") for name in lines)
+    # TF's names: file:line:function
+    assert any(re.fullmatch(r".*lightning_models\.py:\d+:forward", name) for name in lines)
+    assert any(re.fullmatch(r".*lightning_models\.py:\d+:training_step", name) for name in lines)
     assert all(v > 0 for v in lines.values())
 
 
 def test_outputs_file_timeline_none(run, tmp_path, capsys):
     prof, _ = run
     prof.profile_operations({"output": f"file:outfile={tmp_path / 'ops.txt'}"})
-    assert open(tmp_path / "ops.txt").read().startswith("node name | total execution time")
+    # TF's file output: the Doc block (the view, then each selected column), then the profile
+    doc, profile = open(tmp_path / "ops.txt").read().split("\n\nProfile:\n")
+    assert doc.splitlines()[1:] == ["Doc:", views.VIEW_DOCS["operations"], *views.COLUMN_DOCS["micros"].splitlines()]
+    assert profile.startswith("node name | total execution time")
     prof.profile_graph({**B.time_and_memory(), "step": 4, "output": f"timeline:outfile={tmp_path / 'g.json'}"})
-    trace = load_trace(str(tmp_path / "g.json"))
+    assert not os.path.exists(tmp_path / "g.json")  # TF's timeline output names the file after the step
+    trace = load_trace(str(tmp_path / "g.json_4"))
     assert trace["metadata"]["step"] == 4 and any(e.get("name") == "aten::addmm" for e in trace["traceEvents"])
     prof.profile_operations({"output": "stdout"})
     assert capsys.readouterr().out.startswith("node name | total execution time")

@@ -30,7 +30,7 @@ WRITES = {
     "epochs=4, callbacks=[ProfilerHook(save_steps=100)]": [("logs/train/timeline-*.json", 2)],
     "SummarySaverHook(save_steps=50": [("lightning_logs/version_0/events.out.tfevents.*", 1)],
     "StopAtStepHook(last_step=200)": [("lightning_logs/version_0/events.out.tfevents.*", 1)],
-    "with_timeline_output": [("step200.json", 1), ("run.prof", 1), ("lightning_logs/version_0/timeline-*.json", 3)],
+    "with_timeline_output": [("step200.json_200", 1), ("run.prof", 1), ("lightning_logs/version_0/timeline-*.json", 3)],
 }
 
 

@@ -20,19 +20,9 @@ from __future__ import annotations
 
 import functools
 import gzip
-import re
 from typing import Any
 
-from hookprof.profiler.profile_data import BYTES, MICROS, ProfileData
-
-_FRAME = re.compile(r"^(?P<file>.*)\((?P<line>\d+)\): (?P<func>.*)$")
-
-
-def parse_frame(frame: str) -> tuple[str, str, int]:
-    """`path/file.py(123): function` -> (function, file, line); a frame without a file (an op, a built-in
-    method, an `nn.Module: Linear_0` span) is all name: (name, "", 0)."""
-    match = _FRAME.match(frame)
-    return (match["func"], match["file"], int(match["line"])) if match else (frame, "", 0)
+from hookprof.profiler.profile_data import BYTES, MICROS, ProfileData, parse_frame
 
 
 @functools.lru_cache(maxsize=1)

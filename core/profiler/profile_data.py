@@ -13,6 +13,7 @@ a later op or not (TF's `ExecStep::AddMemoryStats` summed every output of the no
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
 from hookprof.naming import parameter_scopes
@@ -22,6 +23,16 @@ from hookprof.trace import format as fmt
 # per-step figures of a node, by position
 COUNT, MICROS, CPU, ACCEL, BYTES, PEAK, RESIDUAL, OUTPUT, FLOPS = range(9)
 N_FIGURES = 9
+
+
+_FRAME = re.compile(r"^(?P<file>.*)\((?P<line>\d+)\): (?P<func>.*)$")
+
+
+def parse_frame(frame: str) -> tuple[str, str, int]:
+    """`path/file.py(123): function` -> (function, file, line); a frame without a file (an op, a built-in
+    method, an `nn.Module: Linear_0` span) is all name: (name, "", 0)."""
+    match = _FRAME.match(frame)
+    return (match["func"], match["file"], int(match["line"])) if match else (frame, "", 0)
 
 
 @dataclasses.dataclass

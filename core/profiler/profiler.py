@@ -120,9 +120,10 @@ class Profiler:
         kind, path = opts["_output"]
         if kind == "stdout":
             sys.stdout.write(text)
-        elif kind == "file":
+        elif kind == "file":  # TF's views as TF wrote them: a Doc block explaining the view and its columns first
+            doc = views.doc_block(view, opts["select"]) if view in views.VIEW_DOCS else ""
             with atomic_write(os.path.abspath(path)) as f:
-                f.write(text.encode())
+                f.write((doc + text).encode())
         elif kind == "timeline":
             self._write_timeline(path, opts["step"], shown)
         elif kind == "pprof":
@@ -133,7 +134,8 @@ class Profiler:
             write_pprof(os.path.abspath(path), self._data, opts["step"])
 
     def _write_timeline(self, path: str, step: int, shown: set[str]) -> None:
-        """TF's timeline output: the chosen step (the last traced one for step -1), displayed ops only."""
+        """TF's timeline output: the chosen step (the last traced one for step -1), displayed ops only, into
+        `<path>_<step>` as TF named it (`with_timeline_output("t.json")` at step 200 writes `t.json_200`)."""
         from hookprof.step_stats import DeviceStepStats
         from hookprof.trace.writer import ChromeTraceWriter
 
@@ -149,7 +151,7 @@ class Profiler:
         for dev in stats.dev_stats:
             kept.dev_stats.append(DeviceStepStats(dev.device, [
                 n for n in dev.node_stats if n.category != fmt.CAT_OP or n.node_name in shown], dict(dev.thread_names)))
-        ChromeTraceWriter(show_dataflow=True).write(kept, os.path.abspath(path))
+        ChromeTraceWriter(show_dataflow=True).write(kept, os.path.abspath(f"{path}_{chosen}"))
 
     def diff(self, step_a: int, step_b: int, options: dict[str, Any] | None = None,
              other: Profiler | None = None) -> DiffResult:

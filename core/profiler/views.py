@@ -34,6 +34,7 @@ from hookprof.profiler.profile_data import (
     RESIDUAL,
     NodeData,
     ProfileData,
+    parse_frame,
 )
 from hookprof.step_stats import DTYPE_ITEMSIZE
 from hookprof.units import format_memory, format_number, format_time
@@ -66,6 +67,45 @@ _TF_NAMES = {"exec_micros": "micros", "accelerator_exec_micros": "accelerator_mi
              "requested_bytes": "bytes", "peak_bytes": "peak_bytes", "residual_bytes": "residual_bytes",
              "output_bytes": "output_bytes", "parameters": "params", "float_ops": "float_ops",
              "run_count": "occurrence", "definition_count": "definitions"}
+
+
+# What a file's `Doc:` block says of each view and column (TF's file output explains them so, in this order)
+VIEW_DOCS = {
+    "scope": "scope: nodes are the step's ops, arranged by their module scopes (model/layer/op), as a file tree.",
+    "graph": "graph: nodes are the step's ops, arranged by dataflow: each op's children are the ops it read from.",
+    "python": "code: nodes are the Python code lines (file:line:function) that ran the ops, arranged by call "
+              "stack (needs stacks recorded: ProfilerHook(with_stack=True)).",
+    "operations": "op: nodes are op types (aten::addmm, aten::conv2d); the executions of one type are summed "
+                  "into its row.",
+}
+COLUMN_DOCS = {
+    "bytes": "requested bytes: the memory the op allocated, summed over its allocations.",
+    "micros": "total execution time: cpu execution time plus accelerator execution time.\n"
+              "cpu execution time: from the op's start to its end on the host, less the ops nested in it.\n"
+              "accelerator execution time: the time the kernels the op launched ran on the device.",
+    "params": "param: the number of parameters the module's weights hold.",
+    "float_ops": "flops: floating point operations, counted from the op's input shapes.",
+    "tensor_value": "tensor_value: not recorded.",
+    "device": "device: where the op ran (/host:CPU, or the device its kernels ran on).",
+    "op_types": "op_types: the op's type (aten::addmm).",
+    "occurrence": "occurrence: how many times the op ran (run) and how many ops of the kind there are (defined).",
+    "input_shapes": "input shape: the shapes of the op's input tensors.",
+    "accelerator_micros": "accelerator execution time: the time the kernels the op launched ran on the device.",
+    "cpu_micros": "cpu execution time: from the op's start to its end on the host, less the ops nested in it.",
+    "peak_bytes": "peak bytes: the most memory the op's allocations held at once.",
+    "residual_bytes": "residual bytes: the memory the op allocated that was still held when the step ended.",
+    "output_bytes": "output bytes: the memory of the op's outputs (allocated by it or not).",
+}
+_DOC_ORDER = ("bytes", "micros", "params", "float_ops", "tensor_value", "device", "op_types", "occurrence",
+              "input_shapes", "accelerator_micros", "cpu_micros", "peak_bytes", "residual_bytes", "output_bytes")
+
+
+def doc_block(view: str, select: Iterable[str]) -> str:
+    """The `Doc:` block TF's file output starts with: the view, then each selected column, one line each,
+    in the columns' own order, before the `Profile:` that the view's text follows."""
+    chosen = set(select)
+    lines = [VIEW_DOCS[view]] + [COLUMN_DOCS[column] for column in _DOC_ORDER if column in chosen]
+    return "\nDoc:\n" + "\n".join(lines) + "\n\nProfile:\n"
 
 
 def columns(select: Iterable[str], order: tuple[str, ...] = TREE_COLUMNS) -> list[str]:
@@ -294,6 +334,13 @@ def graph_tree(profile: ProfileData, options: dict[str, Any]) -> ViewNode:
     return root
 
 
+def code_name(frame: str) -> str:
+    """A code line as TF's code view names it, `file:line:function` (`model.py:63:build`), from the frame as
+    torch records it (`model.py(63): build`); a frame without a file keeps its name."""
+    function, file, line = parse_frame(frame)
+    return f"{file}:{line}:{function}" if file else function
+
+
 def code_tree(profile: ProfileData, options: dict[str, Any]) -> ViewNode:
     root = ViewNode(ROOT, view="code")
     index: dict[tuple[str, ...], ViewNode] = {(): root}
@@ -309,7 +356,7 @@ def code_tree(profile: ProfileData, options: dict[str, Any]) -> ViewNode:
             key = frames[:depth]
             node = index.get(key)
             if node is None:
-                node = index[key] = ViewNode(frames[depth - 1])
+                node = index[key] = ViewNode(code_name(frames[depth - 1]))
                 parent.children.append(node)
             parent = node
         leaf = _leaf(data, data.name, options)  # the op's figures count at its innermost code line
