@@ -284,6 +284,20 @@ class HookCallback(keras.callbacks.Callback):
         if self._fit is not None:
             self._fit.close()
 
+    def on_test_begin(self, logs: dict | None = None) -> None:
+        self._outside_fit("evaluate")
+
+    def on_predict_begin(self, logs: dict | None = None) -> None:
+        self._outside_fit("predict")
+
+    def _outside_fit(self, method: str) -> None:
+        """`Model.evaluate` / `predict` with hookprof callbacks: their steps run no hooks (TF1's hooks ran in
+        the training session; a fit's validation, which Keras runs inside the fit, is not this case)."""
+        if self._fit is None:
+            _warn_once(method, "keras_prof: hookprof's hooks run in Model.fit's training steps only; this "
+                       "Model.%s runs none of them (no timelines, summaries or checks). Trace it with "
+                       "torch.profiler or jax.profiler directly.", method)
+
     def on_train_end(self, logs: dict | None = None) -> None:
         if self._fit is not None:  # the first member to see the end ends every hook (the others find no fit)
             self._fit.end(self)

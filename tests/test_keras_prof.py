@@ -1,5 +1,6 @@
 """keras_prof against real `Model.fit` (torch backend) on a tiny model: schedules, content, lifecycle, faults."""
 
+import logging
 import os
 
 import keras
@@ -181,3 +182,23 @@ def test_a_schedule_longer_than_the_fit_says_so_once(tmp_dir, caplog):
     assert len(warnings) == 1
     assert "first comes 3600 s after the first step" in warnings[0] and "ran 3 steps" in warnings[0]
     assert "lower save_secs" in warnings[0]
+
+
+def test_evaluate_and_predict_say_once_that_they_run_no_hooks_and_a_fits_validation_does_not(tmp_dir, caplog,
+                                                                                            monkeypatch):
+    from hookprof._runtime.warn_once import WarnOnce
+    from keras_prof import hook_callback
+
+    m = model()
+    x, y = data()
+    hook = ProfilerHook(save_steps=2, output_dir=tmp_dir)
+    with caplog.at_level(logging.WARNING, logger="keras_prof"):
+        monkeypatch.setattr(hook_callback, "_warn_once", WarnOnce(hook_callback.log))  # (once per process)
+        fit(m, [hook], epochs=1)
+        m.fit(x, y, batch_size=8, epochs=1, validation_data=(x, y), callbacks=[hook], verbose=0)
+        assert [r for r in caplog.records if "runs none of them" in r.getMessage()] == []
+        for _ in range(2):
+            m.evaluate(x, y, batch_size=8, callbacks=[hook], verbose=0)
+            m.predict(x, batch_size=8, callbacks=[hook], verbose=0)
+    said = [r.getMessage() for r in caplog.records if "runs none of them" in r.getMessage()]
+    assert len(said) == 2 and "Model.evaluate" in said[0] and "Model.predict" in said[1]
