@@ -389,13 +389,17 @@ _COUNTERS = ("dropped_outputs", "summary_errors", "skipped_traces", "removed_tim
 _PARSE_ERRORS = (ValueError, TypeError, SyntaxError, AttributeError, KeyError, MemoryError, RecursionError)
 
 
-def _previous_key(callback: HookCallback) -> str:
+def _previous_key(callback: HookCallback) -> str | None:
     """The key an earlier hookprof saved `callback`'s state under, computed as it was: the class, then the repr
     of each hook's fields, private ones included, and of the callback's other settings. It named absolute paths
     and hookprof's own source lines, so it is found only from the directory and version that wrote it;
-    `adopt_previous_state` also finds a state by its class and schedule."""
-    return callback._generate_state_key(hooks=[_hook_key(h) for h in callback.hooks],
-                                        **callback._identity_settings())
+    `adopt_previous_state` also finds a state by its class and schedule. None where it cannot be computed (it
+    only ever serves to find an old state)."""
+    try:
+        return callback._generate_state_key(hooks=[_hook_key(h) for h in callback.hooks],
+                                            **callback._identity_settings())
+    except Exception:
+        return None
 
 
 def _setting(value: Any) -> Any:
