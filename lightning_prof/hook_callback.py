@@ -473,11 +473,10 @@ def adopt_previous_state(callback: HookCallback, members: list[HookCallback], st
         rivals = [member for member in members if member is not callback and member._identity(None) == mine
                   and member.state_key not in states and member._previous_key not in states]
         if len(found) > 1 or rivals:
-            log.warning("%s: the checkpoint holds %d state(s) that an earlier hookprof saved for a %s with this "
-                        "schedule, and %d callbacks of this fit have that class and schedule; which is whose is not "
+            log.warning("%s: an earlier hookprof saved %d state(s) of this class and schedule in the checkpoint, "
+                        "told apart by paths, and %d callback(s) of this fit could own them: which is whose is not "
                         "known, so none is restored and the schedule starts afresh (the next checkpoint keeps each "
-                        "callback's state under its own key).", callback.state_key, len(found), type(callback).__name__,
-                        len(rivals) + 1)
+                        "callback's state under its own key).", callback.state_key, len(found), len(rivals) + 1)
             return
         key = found[0]
     states[callback.state_key] = states.pop(key)
