@@ -55,7 +55,8 @@ class CheckpointSaverHook(HookCallback):
     optimizers, loops, callbacks: this hook's schedule included), so `Trainer.fit(model, ckpt_path=path)`
     resumes at that global step and the schedule goes on without saving that step again.
     `latest_checkpoint(checkpoint_dir)` names the newest. A failed save (a full disk) is warned about once and
-    counted in `hook.dropped_outputs`; training goes on. `saver=` replaces Lightning's checkpointing.
+    counted in `hook.dropped_outputs`; training goes on. `saver=` replaces Lightning's checkpointing. Two of
+    these on one schedule in one Trainer need `name=` (see `HookCallback`).
 
     Example::
 
@@ -71,11 +72,13 @@ class CheckpointSaverHook(HookCallback):
         checkpoint_basename: str = "model.ckpt",
         scaffold: Any = None,
         listeners: Sequence[CheckpointSaverListener] | None = None,
+        *,
+        name: str | None = None,
     ) -> None:
         self.hook = CoreCheckpointSaverHook(checkpoint_dir, save_secs, save_steps, saver, checkpoint_basename,
                                             scaffold, listeners)
         self.hook.set_default_saver(trainer_saver)
-        super().__init__([self.hook])
+        super().__init__([self.hook], name=name)
 
 
 __all__ = ["CheckpointSaverHook", "CheckpointSaverListener", "latest_checkpoint", "trainer_saver"]

@@ -1,4 +1,5 @@
-"""`lightning_prof.FeedFnHook` and `GlobalStepWaiterHook`: TF1's hooks as Lightning callbacks."""
+"""`lightning_prof.FeedFnHook` and `GlobalStepWaiterHook`: TF1's hooks as Lightning callbacks (two of one class
+and schedule in one Trainer need `name=`: see `HookCallback`)."""
 
 from __future__ import annotations
 
@@ -30,9 +31,10 @@ class FeedFnHook(HookCallback):
         # in training_step: p = batch["dropout"]  (dict batches)  or  hookprof.step_feeds()["dropout"]
     """
 
-    def __init__(self, feed_fn: Callable[[], Mapping[Any, Any]], into_batch: bool | None = None) -> None:
+    def __init__(self, feed_fn: Callable[[], Mapping[Any, Any]], into_batch: bool | None = None, *,
+                 name: str | None = None) -> None:
         self.hook = CoreFeedFnHook(feed_fn, into_batch)
-        super().__init__([self.hook])
+        super().__init__([self.hook], name=name)
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
@@ -55,6 +57,6 @@ class GlobalStepWaiterHook(HookCallback):
     """
 
     def __init__(self, wait_until_step: int, global_step_fn: Callable[[], int] | None = None,
-                 sleep: Callable[[float], Any] | None = None) -> None:
+                 sleep: Callable[[float], Any] | None = None, *, name: str | None = None) -> None:
         self.hook = CoreGlobalStepWaiterHook(wait_until_step, global_step_fn, sleep)
-        super().__init__([self.hook])
+        super().__init__([self.hook], name=name)

@@ -16,8 +16,10 @@ or a logged metric (`trainer.callback_metrics`); `request_stop()` sets `trainer.
 
 from __future__ import annotations
 
+import ast
 import functools
 import hashlib
+import logging
 import os
 import threading
 from collections.abc import Sequence
@@ -29,10 +31,13 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from typing_extensions import override
 
 from hookprof.hooks.hooked_session import HookedSession, check_hooks
+from hookprof.hooks.identity import SCHEDULE_ATTRIBUTES, check_name, identity, schedule
 from hookprof.hooks.session import Session, StepState
 from hookprof.hooks.session_run_hook import SessionRunArgs, SessionRunHook
 from hookprof.tensorboard.events import as_event_sink, use_for
 from hookprof.tracing import STEP_TRACES
+
+log = logging.getLogger(__name__)
 
 
 class LightningSession(Session):
@@ -154,6 +159,10 @@ class HookCallback(Callback):
 
     Args:
         hooks: the hooks to run, e.g. a TF1 hook ported by changing its imports to `hookprof`.
+        name: a word that tells this callback apart from another one with the same hooks on the same schedule
+            in one Trainer (two `ProfilerHook(save_steps=100)` writing to two directories): each keeps its own
+            state in a checkpoint under its `state_key`, which is the class, the schedule and this name, e.g.
+            `ProfilerHook(save_steps=100, name=fast)`. Two hookprof callbacks with one key fail before training.
 
     Example::
 
@@ -167,8 +176,11 @@ class HookCallback(Callback):
         trainer = Trainer(callbacks=[HookCallback(hooks=[StopAtLoss()])])
     """
 
-    def __init__(self, hooks: Sequence[SessionRunHook]) -> None:
+    def __init__(self, hooks: Sequence[SessionRunHook], *, name: str | None = None) -> None:
         self._hooks = check_hooks(hooks)
+        self.name = check_name(type(self).__name__, name)
+        # the key an earlier hookprof saved this callback's state under, as it was computed (see `_previous_key`)
+        self._previous_key = _previous_key(self)
         # The fit's driver, on the fit's first hookprof callback only (None on the others, which return at once)
         self._driver: HookedSession | None = None
         self._session: LightningSession | None = None
@@ -181,10 +193,20 @@ class HookCallback(Callback):
 
     @functools.cached_property
     def state_key(self) -> str:
+        """Where a checkpoint keeps this callback's state: the class, its hooks' schedules and `name`, e.g.
+        `ProfilerHook(save_steps=100)` or `HookCallback(StopAtLoss, ProfilerHook(save_steps=100), name=a)`.
+        Short, without quotes or paths, the same in every process, directory and hookprof version."""
         # Lightning reads this on every hook call of every callback (to name its profiler span): computed
-        # once, at its first use (Trainer construction), the same in the run that saves and the one that
-        # resumes; cached_property stores it as a plain attribute, so later reads cost no call
-        return self._generate_state_key(hooks=[_hook_key(h) for h in self.hooks])
+        # once, at its first use; cached_property stores it as a plain attribute, so later reads cost no call
+        return self._identity(self.name)
+
+    def _identity(self, name: str | None) -> str:
+        return callback_identity(type(self).__name__, [(type(h).__name__, schedule(h)) for h in self.hooks],
+                                 self._identity_settings(), name)
+
+    def _identity_settings(self) -> dict[str, Any]:
+        """What else tells two callbacks of this class and schedule apart (a subclass's choice of what to write)."""
+        return {}
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -194,6 +216,8 @@ class HookCallback(Callback):
         if members[0] is not self:
             self._driver = None  # the first one drives this fit's hooks, ours included
             return
+        self._driver = None
+        check_unique_keys(members)
         from hookprof.tracing.torch_tracer import TorchTracer
 
         hooks = [hook for member in members for hook in member.hooks]
@@ -316,21 +340,72 @@ class HookCallback(Callback):
         return {"hooks": [h.state_dict() if hasattr(h, "state_dict") else None for h in self.hooks]}
 
     @override
+    def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                           checkpoint: dict[str, Any]) -> None:
+        # Lightning calls this before it loads each callback's state: a state an earlier hookprof saved under
+        # its long key moves to `state_key`, where `load_state_dict` receives it
+        states = checkpoint.get("callbacks")
+        if isinstance(states, dict) and self.state_key not in states:
+            members = [callback for callback in trainer.callbacks if isinstance(callback, HookCallback)]
+            adopt_previous_state(self, members, states)
+
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         for hook, state in zip(self.hooks, state_dict.get("hooks", [])):
             if state is not None and hasattr(hook, "load_state_dict"):
                 hook.load_state_dict(state)
 
 
+def callback_identity(kind: str, hooks: list[tuple[str, dict[str, Any]]], settings: dict[str, Any],
+                      name: str | None) -> str:
+    """A callback's `state_key` from its class name, its hooks' class names and schedules, its other settings
+    and its `name`: a callback around one hook of its own class name gives that hook's schedule
+    (`ProfilerHook(save_steps=100)`), any other names its hooks (`HookCallback(StopAtLoss, ProfilerHook(...))`)."""
+    if len(hooks) == 1 and hooks[0][0] == kind:
+        items: list[tuple[str | None, Any]] = list(hooks[0][1].items())
+    else:
+        items = [(None, identity(hook_kind, hook_schedule)) for hook_kind, hook_schedule in hooks]
+    return identity(kind, [*items, *settings.items(), ("name", name)])
+
+
+def check_unique_keys(members: list[HookCallback]) -> None:
+    """Two callbacks of one key would share one state in a checkpoint (Lightning refuses them when the Trainer is
+    made; this catches those it does not check: `configure_callbacks`, a list extended later)."""
+    seen: dict[str, HookCallback] = {}
+    for member in members:
+        first = seen.setdefault(member.state_key, member)
+        if first is not member:
+            kind = type(member).__name__
+            raise ValueError(
+                f"Two hookprof callbacks in this Trainer have the checkpoint key `{member.state_key}` (their class "
+                f"and schedule), so a checkpoint would keep one state for both: give each its own `name=`, e.g. "
+                f"{kind}(..., name=\"first\") and {kind}(..., name=\"second\").")
+
+
+# --- the keys hookprof wrote before these, kept only to restore the checkpoints saved under them ---------------
+
 _PLAIN = (int, float, str, bool, type(None), frozenset)
 _COUNTERS = ("dropped_outputs", "summary_errors", "skipped_traces", "removed_timelines", "fired")  # change as it runs
+_PARSE_ERRORS = (ValueError, TypeError, SyntaxError, AttributeError, KeyError, MemoryError, RecursionError)
+
+
+def _previous_key(callback: HookCallback) -> str | None:
+    """The key an earlier hookprof saved `callback`'s state under, computed as it was: the class, then the repr
+    of each hook's fields, private ones included, and of the callback's other settings. It named absolute paths
+    and hookprof's own source lines, so it is found only from the directory and version that wrote it;
+    `adopt_previous_state` also finds a state by its class and schedule. None where it cannot be computed (it
+    only ever serves to find an old state)."""
+    try:
+        return callback._generate_state_key(hooks=[_hook_key(h) for h in callback.hooks],
+                                            **callback._identity_settings())
+    except Exception:
+        return None
 
 
 def _setting(value: Any) -> Any:
-    """A setting as a checkpoint key can hold it, the same in every process: plain values as they are, a
-    function or lambda by where it is defined and what it does (`module.qualname@file:line#digest of its code
-    and constants`, so two lambdas differ, also on one line), nested lists and dicts item by item; None for
-    anything else (a writer, a model)."""
+    """A setting as the previous key held it: plain values as they are, a function or lambda by where it is
+    defined and what it does (`module.qualname@file:line#digest of its code and constants`), nested lists and
+    dicts item by item; None for anything else (a writer, a model)."""
     if isinstance(value, _PLAIN):
         return value
     code = getattr(value, "__code__", None)
@@ -349,9 +424,61 @@ def _setting(value: Any) -> Any:
 
 
 def _hook_key(hook: SessionRunHook) -> str:
-    """What tells two hooks apart in a checkpoint (and two callbacks of one class apart, which Lightning
-    requires), stable across processes: the class and its settings as the hook holds them when made, so
-    `StopAt(0.1)` and `StopAt(0.2)`, or two NanTensorHooks of two different loss callables, are two keys."""
+    """A hook in the previous key: its class and its fields as the hook holds them when made."""
     settings = sorted((name, setting) for name, value in vars(hook).items()
                       if name not in _COUNTERS and (setting := _setting(value)) is not None)
     return f"{type(hook).__qualname__}{settings}"
+
+
+def _parse_previous_key(key: Any) -> tuple[str, list[tuple[str, dict[str, Any]]], dict[str, Any]] | None:
+    """What `callback_identity` needs of a key `_previous_key` wrote: the callback's class name, each hook's class
+    name and schedule, the other settings; None for any other key."""
+    if not isinstance(key, str) or "{'hooks': [" not in key:
+        return None
+    kind, brace, rest = key.partition("{")
+    try:
+        settings = ast.literal_eval(brace + rest)
+        hooks = [_parse_hook_key(text) for text in settings.pop("hooks")]
+    except _PARSE_ERRORS:
+        return None
+    return kind.rsplit(".", 1)[-1], hooks, settings
+
+
+def _parse_hook_key(text: str) -> tuple[str, dict[str, Any]]:
+    kind, bracket, rest = text.partition("[")
+    values = {}
+    for field in ast.parse(bracket + rest, mode="eval").body.elts:  # [(name, setting), ...]
+        name, value = field.elts
+        try:
+            values[ast.literal_eval(name)] = ast.literal_eval(value)
+        except ValueError:  # a frozenset, a nan: never a schedule
+            pass
+    return kind.rsplit(".", 1)[-1], {name: values[name] for name in SCHEDULE_ATTRIBUTES
+                                     if values.get(name) is not None}
+
+
+def adopt_previous_state(callback: HookCallback, members: list[HookCallback], states: dict[Any, Any]) -> None:
+    """Moves the state an earlier hookprof saved for `callback` to its `state_key`: the one under the previous
+    key as computed now (same directory and version), else the one previous key of the callback's class and
+    schedule, unless another callback of this fit with that class and schedule could be its owner (then none is
+    restored, with one warning). Lightning has already warned about the previous key, which it does not know."""
+    key = callback._previous_key
+    if key not in states:
+        mine = callback._identity(None)
+        own = {member._previous_key for member in members}
+        found = [other for other in states if other not in own and (parsed := _parse_previous_key(other)) is not None
+                 and callback_identity(*parsed, None) == mine]
+        if not found:
+            return
+        rivals = [member for member in members if member is not callback and member._identity(None) == mine
+                  and member.state_key not in states and member._previous_key not in states]
+        if len(found) > 1 or rivals:
+            log.warning("%s: an earlier hookprof saved %d state(s) of this class and schedule in the checkpoint, "
+                        "told apart by paths, and %d callback(s) of this fit could own them: which is whose is not "
+                        "known, so none is restored and the schedule starts afresh (the next checkpoint keeps each "
+                        "callback's state under its own key).", callback.state_key, len(found), len(rivals) + 1)
+            return
+        key = found[0]
+    states[callback.state_key] = states.pop(key)
+    log.info("%s: restored the state an earlier hookprof saved under a longer key (the one Lightning just warned "
+             "about); checkpoints keep it under this key from now on.", callback.state_key)

@@ -16,6 +16,7 @@ class LoggingTensorHook(HookCallback):
     sec)"` at INFO on the logger `hookprof.hooks.logging_tensor_hook`, from the first step on. A fetch is the
     name of a training_step output (`"loss"`) or of a logged metric (`trainer.callback_metrics`), or a
     callable of the finished step (`step.outputs`, `step.batch`, `step.model`, `step.metrics`, `step.step`).
+    Two of these on one schedule in one Trainer need `name=` (see `HookCallback`).
 
     Example::
 
@@ -29,6 +30,8 @@ class LoggingTensorHook(HookCallback):
         every_n_secs: float | None = None,
         at_end: bool = False,
         formatter: Callable[[dict[str, Any]], str] | None = None,
+        *,
+        name: str | None = None,
     ) -> None:
         self.hook = CoreLoggingTensorHook(tensors, every_n_iter, every_n_secs, at_end, formatter)
-        super().__init__([self.hook])
+        super().__init__([self.hook], name=name)

@@ -37,6 +37,7 @@ class ProfilerHook(HookCallback):
         capture_steps: steps traced after a trigger fires.
         cooldown_steps: steps after a fire during which no trigger fires again.
         keep_last: keep only this run's newest `keep_last` timelines (None: all).
+        name: tells this callback from another on the same schedule in one Trainer (`HookCallback`'s `name`).
 
     Example::
 
@@ -61,12 +62,14 @@ class ProfilerHook(HookCallback):
         capture_steps: int = 1,
         cooldown_steps: int = 100,
         keep_last: int | None = None,
+        *,
+        name: str | None = None,
     ) -> None:
         self.hook = CoreProfilerHook(save_steps, save_secs, output_dir, show_dataflow, show_memory, ranks,
                                      compress, max_events, tensorboard, profiler, with_stack, triggers=triggers,
                                      capture_steps=capture_steps, cooldown_steps=cooldown_steps,
                                      keep_last=keep_last)
-        super().__init__([self.hook])
+        super().__init__([self.hook], name=name)
 
     @property
     def saved_paths(self) -> list[str]:

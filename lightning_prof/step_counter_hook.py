@@ -18,6 +18,7 @@ class StepCounterHook(HookCallback):
     goes to the logger's run directory (`trainer.log_dir`), into Lightning's own event file when the logger is
     a `TensorBoardLogger`; `summary_writer` may be the Trainer's `TensorBoardLogger` itself. `batch_size`
     (not in TF) adds `examples/sec`. A global step is one optimizer step (gradient accumulation included).
+    Two of these on one schedule in one Trainer need `name=` (see `HookCallback`).
 
     Example::
 
@@ -31,7 +32,9 @@ class StepCounterHook(HookCallback):
         output_dir: str | os.PathLike | None = None,
         summary_writer: Any = None,
         batch_size: int | None = None,
+        *,
+        name: str | None = None,
     ) -> None:
         self.hook = CoreStepCounterHook(every_n_steps, every_n_secs, output_dir, event_sink(summary_writer),
                                         batch_size)
-        super().__init__([self.hook])
+        super().__init__([self.hook], name=name)

@@ -1,6 +1,7 @@
 """TF1's StopAtStepHook, NanTensorHook and FinalOpsHook as Lightning callbacks.
 
-Each is a thin `HookCallback` around the `hookprof` hook (`self.hook`), with TF's arguments and messages.
+Each is a thin `HookCallback` around the `hookprof` hook (`self.hook`), with TF's arguments and messages, and
+`name=` for two of one class and schedule in one Trainer (see `HookCallback`).
 `request_stop()` sets `trainer.should_stop`, so training ends after that step and `end()` runs; an exception
 raised by a hook (`NanLossDuringTrainingError`) fails the fit, and Lightning's `on_exception` stops any running
 trace and closes the hooks' files (no `end()`, TF's rule).
@@ -31,9 +32,10 @@ class StopAtStepHook(HookCallback):
         trainer = Trainer(max_epochs=100, callbacks=[StopAtStepHook(last_step=1000)])
     """
 
-    def __init__(self, num_steps: int | None = None, last_step: int | None = None) -> None:
+    def __init__(self, num_steps: int | None = None, last_step: int | None = None, *,
+                 name: str | None = None) -> None:
         self.hook = CoreStopAtStepHook(num_steps, last_step)
-        super().__init__([self.hook])
+        super().__init__([self.hook], name=name)
 
 
 class NanTensorHook(HookCallback):
@@ -47,9 +49,9 @@ class NanTensorHook(HookCallback):
         trainer = Trainer(callbacks=[NanTensorHook("loss", fail_on_nan_loss=False)])
     """
 
-    def __init__(self, loss_tensor: Any, fail_on_nan_loss: bool = True) -> None:
+    def __init__(self, loss_tensor: Any, fail_on_nan_loss: bool = True, *, name: str | None = None) -> None:
         self.hook = CoreNanTensorHook(loss_tensor, fail_on_nan_loss)
-        super().__init__([self.hook])
+        super().__init__([self.hook], name=name)
 
 
 class FinalOpsHook(HookCallback):
@@ -62,9 +64,10 @@ class FinalOpsHook(HookCallback):
         final.final_ops_values["loss"]
     """
 
-    def __init__(self, final_ops: Any, final_ops_feed_dict: Mapping[str, Any] | None = None) -> None:
+    def __init__(self, final_ops: Any, final_ops_feed_dict: Mapping[str, Any] | None = None, *,
+                 name: str | None = None) -> None:
         self.hook = CoreFinalOpsHook(final_ops, final_ops_feed_dict)
-        super().__init__([self.hook])
+        super().__init__([self.hook], name=name)
 
     @property
     def final_ops_values(self) -> Any:

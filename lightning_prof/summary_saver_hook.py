@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import lightning.pytorch as pl
@@ -10,7 +9,7 @@ from typing_extensions import override
 
 from hookprof.hooks.summary_saver_hook import SummarySaverHook as CoreSummarySaverHook
 from hookprof.summary import CollectionSummary, Scaffold
-from lightning_prof.hook_callback import HookCallback, _hook_key, event_sink
+from lightning_prof.hook_callback import HookCallback, event_sink
 
 
 class SummarySaverHook(HookCallback):
@@ -29,6 +28,7 @@ class SummarySaverHook(HookCallback):
     module's top level or in the LightningModule's `setup` (not `__init__`: a rank that ddp_spawn starts gets
     the model unpickled, without running it). A key with no summaries then fails
     that fit with one `hookprof.summary.EmptyCollectionError` naming the key and the keys that hold summaries.
+    Two of these on one schedule and collection in one Trainer need `name=` (see `HookCallback`).
 
     Example::
 
@@ -54,18 +54,17 @@ class SummarySaverHook(HookCallback):
         scaffold: Scaffold | None = None,
         summary_op: Any = None,
         strict: bool = False,
+        *,
+        name: str | None = None,
     ) -> None:
         self._collection = CollectionSummary(summary_op) if isinstance(summary_op, str) else None
         self.hook = CoreSummarySaverHook(save_steps, save_secs, output_dir, event_sink(summary_writer), scaffold,
                                          summary_op if self._collection is None else self._collection, strict)
-        super().__init__([self.hook])
+        super().__init__([self.hook], name=name)
 
-    @functools.cached_property
-    def state_key(self) -> str:
-        if self._collection is None:
-            return super().state_key
+    def _identity_settings(self) -> dict[str, Any]:
         # two hooks on one schedule that select two collections are two callbacks (to Lightning, and in checkpoints)
-        return self._generate_state_key(hooks=[_hook_key(h) for h in self.hooks], summary_op=self._collection.key)
+        return {} if self._collection is None else {"summary_op": self._collection.key}
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

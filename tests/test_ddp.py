@@ -21,7 +21,7 @@ SCRIPT = textwrap.dedent("""
     out = sys.argv[1]
     loss = summary.scalar("loss", lambda step: step.outputs["loss"])
     hooks = [ProfilerHook(save_steps=2, output_dir=os.path.join(out, "all")),
-             ProfilerHook(save_steps=2, output_dir=os.path.join(out, "rank0"), ranks=0),
+             ProfilerHook(save_steps=2, output_dir=os.path.join(out, "rank0"), ranks=0, name="rank0"),
              SummarySaverHook(save_steps=2, output_dir=os.path.join(out, "summaries"), summary_op=loss)]
     trainer = L.Trainer(strategy="ddp", devices=2, accelerator="cpu", max_steps=4, callbacks=hooks,
                         default_root_dir=out, logger=False, enable_checkpointing=False,

@@ -131,8 +131,8 @@ class ReadsFeeds(TinyModel):
 def test_two_hook_callbacks_with_their_own_settings_and_feeds(tmp_dir):
     model = ReadsFeeds()
     model.seen = []
-    callbacks = [HookCallback([StopAt(0.1), Feeds("lr_scale", 0.5)]),
-                 HookCallback([StopAt(0.2), Feeds("dropout", 0.1)])]
+    callbacks = [HookCallback([StopAt(0.1), Feeds("lr_scale", 0.5)], name="lr"),
+                 HookCallback([StopAt(0.2), Feeds("dropout", 0.1)], name="dropout")]
     trainer(tmp_dir, callbacks, 2).fit(model, loader())
     assert model.seen == [{"lr_scale": 0.5, "dropout": 0.1}] * 2
 

@@ -305,7 +305,7 @@ def test_two_lightning_hooks_with_other_tensors_in_one_fit(tmp_dir, caplog):
     from tests.lightning_models import TinyModel, loader, trainer
 
     hooks = [LightningLoggingTensorHook(["loss"], every_n_iter=2),
-             LightningLoggingTensorHook({"step": "global_step"}, every_n_iter=2)]
+             LightningLoggingTensorHook({"step": "global_step"}, every_n_iter=2, name="step")]
     caplog.set_level(logging.INFO, logger=LOGGER)
     trainer(tmp_dir, hooks, 3).fit(TinyModel(), loader())
     assert [m.split(" (")[0] for m in logged(caplog)][1::2] == ["step = 1", "step = 3"]

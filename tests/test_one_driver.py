@@ -90,7 +90,7 @@ def test_the_next_keras_fit_runs_only_its_own_callbacks():
 
 def test_callbacks_reused_in_a_second_trainer_form_that_trainers_session(tmp_dir):
     log = []
-    a, b = lightning_prof.HookCallback([OrderHook("a", log)]), lightning_prof.HookCallback([OrderHook("b", log)])
+    a, b = (lightning_prof.HookCallback([OrderHook(name, log)], name=name) for name in "ab")
     trainer(tmp_dir, [a, b], max_steps=2, logger=False).fit(TinyModel(), loader())
     assert log == tf_order("ab", 2)
     log.clear()
@@ -156,13 +156,13 @@ def test_a_lightning_summary_hook_with_the_logger_pickles_for_ddp_spawn(tmp_dir)
     assert isinstance(copy.hook._writer_arg, type(hook.hook._writer_arg))
 
 
-def test_two_lightning_callbacks_of_one_class_that_differ_only_by_a_callable_are_two_callbacks(tmp_dir):
+def test_two_lightning_callbacks_of_one_class_that_differ_only_by_a_callable_are_two_callbacks_by_name(tmp_dir):
     # Lightning refuses two stateful callbacks with one state_key; hooks of fetch and feed functions differ
-    # only by those functions, which the key names by where they are defined
+    # only by those functions, which the key does not hold (it is the class, the schedule and `name`)
     callbacks = [lightning_prof.NanTensorHook(lambda s: s.outputs["loss"]),
-                 lightning_prof.NanTensorHook(lambda s: s.outputs["loss"] * 2),
-                 lightning_prof.FeedFnHook(lambda: {"a": 1}), lightning_prof.FeedFnHook(lambda: {"b": 2})]
+                 lightning_prof.NanTensorHook(lambda s: s.outputs["loss"] * 2, name="double"),
+                 lightning_prof.FeedFnHook(lambda: {"a": 1}), lightning_prof.FeedFnHook(lambda: {"b": 2}, name="b")]
     assert len({callback.state_key for callback in callbacks}) == 4
     trainer(tmp_dir, callbacks, max_steps=2, logger=False).fit(TinyModel(), loader())
-    again = lightning_prof.NanTensorHook(callbacks[0].hook.loss_tensor)
-    assert again.state_key == callbacks[0].state_key  # the same settings: the same key (a resume finds its state)
+    again = lightning_prof.NanTensorHook(callbacks[1].hook.loss_tensor, name="double")
+    assert again.state_key == callbacks[1].state_key  # the same settings: the same key (a resume finds its state)

@@ -324,10 +324,11 @@ def test_lightning_callbacks_of_one_class_with_other_settings_share_a_trainer(tm
     def weight_sum(step):
         return float(step.model.fc1.weight.sum())
 
-    first, second = LFinal({"loss": "loss"}), LFinal(weight_sum)
-    callbacks = [LStop(last_step=2), LStop(num_steps=5), LNan("loss"), LNan("train_loss", False), first, second]
+    first, second = LFinal({"loss": "loss"}), LFinal(weight_sum, name="weights")
+    callbacks = [LStop(last_step=2), LStop(num_steps=5), LNan("loss"), LNan("train_loss", False, name="logged"),
+                 first, second]
     assert len({cb.state_key for cb in callbacks}) == len(callbacks)
-    assert LFinal(weight_sum).state_key == second.state_key  # the same in the run that resumes
+    assert LFinal(weight_sum, name="weights").state_key == second.state_key  # the same in the run that resumes
     t = trainer(tmp_dir, callbacks, 10)
     t.fit(TinyModel(), loader())
     assert t.global_step == 2

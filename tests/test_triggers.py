@@ -337,11 +337,11 @@ def test_a_step_without_the_fetched_value_leaves_the_run_alone(tmp_path, caplog)
     assert len(said) == 1 and "'loss'" in said[0] and "KeyError" in said[0], said  # once for the shared fetch
 
 
-def test_hooks_that_differ_only_in_their_triggers_are_two_checkpoint_states(tmp_path):
+def test_hooks_that_differ_only_in_their_triggers_are_two_checkpoint_states_by_name(tmp_path):
     from lightning_prof import ProfilerHook
 
-    a = ProfilerHook(triggers=[SlowStep(factor=3.0)], output_dir=str(tmp_path), tensorboard=False)
-    b = ProfilerHook(triggers=[SlowStep(factor=5.0)], output_dir=str(tmp_path), tensorboard=False)
-    c = ProfilerHook(triggers=[SlowStep(factor=3.0)], output_dir=str(tmp_path), tensorboard=False)
+    a = ProfilerHook(triggers=[SlowStep(factor=3.0)], output_dir=str(tmp_path), tensorboard=False, name="a")
+    b = ProfilerHook(triggers=[SlowStep(factor=5.0)], output_dir=str(tmp_path), tensorboard=False, name="b")
+    c = ProfilerHook(triggers=[SlowStep(factor=3.0)], output_dir=str(tmp_path), tensorboard=False, name="a")
     assert a.state_key != b.state_key and a.state_key == c.state_key
     trainer(str(tmp_path), [a, b], max_steps=1, logger=False)  # Lightning refuses two callbacks of one key
