@@ -27,42 +27,45 @@ UNCLAIMED_GRACE_SECONDS = 60.0  # a directory without its lock file yet is left 
 
 
 class PrivateDirectory:
-    """This process's claimed directory under `parent` (default: the temporary directory, read at each use),
-    made on first use and again whenever it has gone."""
+    """This process's claimed directory under `parent` (default: the temporary directory, read at each use:
+    one directory per temporary directory this process has used), made on first use and again whenever it has
+    gone."""
 
     def __init__(self, prefix: str, parent: str | None = None) -> None:
         self.prefix = prefix
         self._parent = parent
-        self._path: str | None = None
-        self._fd: int | None = None
+        self._claimed: dict[str, tuple[str, int]] = {}  # parent -> (directory, its lock's descriptor)
         self._pid = os.getpid()
         self._pattern = re.compile(rf"^{re.escape(prefix)}(\d+)-")
 
     def path(self) -> str:
         """The directory, made (and the stale ones of dead processes removed) if it is not there."""
-        if self._pid != os.getpid():  # a forked child: the parent's directory and lock are not its own
-            self._path, self._fd, self._pid = None, None, os.getpid()
-        path = self._path
-        if path is not None and os.path.isfile(os.path.join(path, OWNER_FILE)):
-            return path
-        self.release()
+        if self._pid != os.getpid():  # a forked child: the parent's directories and locks are not its own
+            self._claimed, self._pid = {}, os.getpid()
         parent = self._parent or tempfile.gettempdir()
+        claimed = self._claimed.get(parent)
+        if claimed is not None:
+            if os.path.isfile(os.path.join(claimed[0], OWNER_FILE)):
+                return claimed[0]
+            self._drop(parent)  # removed under us (a tmp cleaner): made again below
         remove_unclaimed(parent, self._pattern)
         path = tempfile.mkdtemp(prefix=f"{self.prefix}{os.getpid()}-", dir=parent)
         fd = os.open(os.path.join(path, OWNER_FILE), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # (new and ours: never contended)
-        self._path, self._fd = path, fd
+        self._claimed[parent] = (path, fd)
         return path
 
     def release(self) -> None:
-        """Remove the directory (if this process made it) and drop its claim."""
-        path, fd = self._path, self._fd
-        self._path = self._fd = None
-        if path is not None and self._pid == os.getpid():
+        """Remove the directories (if this process made them) and drop their claims."""
+        for parent in list(self._claimed):
+            self._drop(parent)
+
+    def _drop(self, parent: str) -> None:
+        path, fd = self._claimed.pop(parent)
+        if self._pid == os.getpid():
             shutil.rmtree(path, ignore_errors=True)
-        if fd is not None:
-            with contextlib.suppress(OSError):
-                os.close(fd)
+        with contextlib.suppress(OSError):
+            os.close(fd)
 
 
 def remove_unclaimed(parent: str, pattern: re.Pattern[str]) -> list[str]:

@@ -23,7 +23,6 @@ from typing import Any
 
 import torch
 
-from hookprof._runtime.fit_run import on_fit_end
 from hookprof._runtime.gc_pause import paused_gc
 from hookprof._runtime.private_dir import PrivateDirectory
 from hookprof.naming import root_label
@@ -131,8 +130,6 @@ class TorchTracer(Tracer):
                 "hookprof skips its traces while it runs"
             )
         self._options = options
-        # (its exports are read by the fit's renders, all done when the fit ends: the directory goes then)
-        on_fit_end("torch-export-directory", _EXPORTS.release)
         use_cuda = torch.cuda.is_available() and options.trace_level >= TraceLevel.HARDWARE_TRACE
         full = options.trace_level >= TraceLevel.FULL_TRACE
         # A step that needs only kineto's export stops cheaper when torch builds nothing for Python (the event
@@ -230,7 +227,9 @@ class _Recording:
 
 # This process's private directory for kineto's exports (mode 0700: op names and code paths are not for other
 # users), in TMPDIR, claimed by a lock while this process lives (see hookprof._runtime.private_dir): made again
-# if something removes it, removed when the fit ends (or the process exits, outside a fit).
+# if something removes it, removed when the process exits. Not at a fit's end: a step's RunMetadata converts
+# from its export when first read, which a user's hook may do after `fit` returns; each export goes once its
+# RunMetadata is garbage.
 _EXPORTS = PrivateDirectory("hookprof-")
 atexit.register(_EXPORTS.release)
 _exports_made = itertools.count()
