@@ -42,6 +42,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+from hookprof.hooks.capture import CapturePipeline
 from hookprof.hooks.profiler_hook import ProfilerHook
 from lightning_prof import HookCallback
 
@@ -90,36 +91,47 @@ class TorchProfilerPeer(L.Callback):
         self.traces += 1
 
 
-class TimedProfilerHook(ProfilerHook):
-    """ProfilerHook, timing its background work per traced step (the export on the background thread and the
-    wait for the render worker) and the step graph inside it (timed where it is built:
-    `_Rendered.graph_seconds`)."""
+class TimedPipeline(CapturePipeline):
+    """The capture pipeline, timing its background work per traced step (the export on the background thread
+    and the wait for the render worker) and the step graph inside it (timed where it is built:
+    `Rendered.graph_seconds`)."""
 
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
         self.by_step: dict[int, float] = {}
         self.graphs: list[float] = []
+
+    def save(self, job):
+        start = time.perf_counter()
+        super().save(job)
+        self.by_step[job.step] = self.by_step.get(job.step, 0.0) + time.perf_counter() - start
+
+    def render_elsewhere(self, job, exported):
+        start = time.perf_counter()
+        rendered = super().render_elsewhere(job, exported)
+        self.by_step[job.step] = self.by_step.get(job.step, 0.0) + time.perf_counter() - start
+        return rendered
+
+    def finish(self, job, rendered):
+        if rendered is not None and rendered.events is not None:
+            self.graphs.append(rendered.graph_seconds)
+        super().finish(job, rendered)
+
+
+class TimedProfilerHook(ProfilerHook):
+    """ProfilerHook whose pipeline times its background work per traced step (`jobs`) and the step graphs
+    (`graphs`)."""
+
+    pipeline_class = TimedPipeline
 
     @property
     def jobs(self) -> list[float]:
         self.flush()
-        return list(self.by_step.values())
+        return list(self.pipeline.by_step.values())
 
-    def _save(self, job):
-        start = time.perf_counter()
-        super()._save(job)
-        self.by_step[job.step] = self.by_step.get(job.step, 0.0) + time.perf_counter() - start
-
-    def _render_elsewhere(self, job, exported):
-        start = time.perf_counter()
-        rendered = super()._render_elsewhere(job, exported)
-        self.by_step[job.step] = self.by_step.get(job.step, 0.0) + time.perf_counter() - start
-        return rendered
-
-    def _finish(self, job, rendered):
-        if rendered is not None and rendered.events is not None:
-            self.graphs.append(rendered.graph_seconds)
-        super()._finish(job, rendered)
+    @property
+    def graphs(self) -> list[float]:
+        return self.pipeline.graphs
 
 
 class TimedCallback(HookCallback):

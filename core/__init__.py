@@ -12,6 +12,7 @@ package imports neither lightning nor keras, and torch only inside `hookprof.tra
 
 from hookprof import summary
 from hookprof.hooks import (
+    CaptureOptions,
     CheckpointSaverHook,
     CheckpointSaverListener,
     FeedFnHook,
@@ -47,11 +48,10 @@ from hookprof.trace import ChromeTraceWriter
 __version__ = "0.1.0"
 
 __all__ = [
-    "CheckpointSaverHook", "CheckpointSaverListener", "ChromeTraceWriter", "DeviceStepStats", "FeedFnHook",
-    "FinalOpsHook", "GlobalStepWaiterHook", "HookedSession", "latest_checkpoint", "LoggingTensorHook",
+    "CaptureOptions", "CheckpointSaverHook", "CheckpointSaverListener", "ChromeTraceWriter", "DeviceStepStats",
+    "FeedFnHook", "FinalOpsHook", "GlobalStepWaiterHook", "HookedSession", "latest_checkpoint", "LoggingTensorHook",
     "ManualSession", "NanLossDuringTrainingError", "NanTensorHook", "NeverTriggerTimer", "NodeExecStats",
-    "ProfileOptionBuilder", "Profiler", "ProfilerHook", "RunMetadata", "RunOptions", "SecondOrStepTimer",
-    "Session", "SessionRunArgs", "SessionRunContext", "SessionRunHook", "SessionRunValues", "step_feeds",
-    "StepCounterHook", "StepState", "StepStats", "StopAtStepHook", "summary", "SummarySaverHook",
-    "TensorDescription", "TraceLevel",
+    "ProfileOptionBuilder", "Profiler", "ProfilerHook", "RunMetadata", "RunOptions", "SecondOrStepTimer", "Session",
+    "SessionRunArgs", "SessionRunContext", "SessionRunHook", "SessionRunValues", "step_feeds", "StepCounterHook",
+    "StepState", "StepStats", "StopAtStepHook", "summary", "SummarySaverHook", "TensorDescription", "TraceLevel",
 ]

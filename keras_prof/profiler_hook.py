@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from hookprof.hooks.capture import CaptureOptions
 from hookprof.hooks.profiler_hook import DEFAULT_MAX_EVENTS
 from hookprof.hooks.profiler_hook import ProfilerHook as CoreProfilerHook
 from keras_prof.hook_callback import HookCallback
@@ -20,7 +21,8 @@ class ProfilerHook(HookCallback):
     phases. `compress=True` writes `.json.gz`; `max_events` caps a timeline's size; `tensorboard=True` also
     writes each traced step's graph and `step_<N>` run metadata for TensorBoard. `triggers`
     (`hookprof.triggers`), `capture_steps` and `cooldown_steps` trace the steps after one that went wrong (a
-    slow step, a NaN loss, a loss spike, a memory jump); `keep_last` keeps only the newest timelines of the run.
+    slow step, a NaN loss, a loss spike, a memory jump); `keep_last` keeps only the newest timelines of the run;
+    `capture` (a `hookprof.CaptureOptions`) tunes how traced steps are rendered and written.
 
     Example::
 
@@ -43,12 +45,13 @@ class ProfilerHook(HookCallback):
         capture_steps: int = 1,
         cooldown_steps: int = 100,
         keep_last: int | None = None,
+        capture: CaptureOptions | None = None,
     ) -> None:
         self.hook = CoreProfilerHook(save_steps, save_secs, output_dir, show_dataflow, show_memory,
                                      compress=compress, max_events=max_events, tensorboard=tensorboard,
                                      profiler=profiler, with_stack=with_stack, triggers=triggers,
                                      capture_steps=capture_steps, cooldown_steps=cooldown_steps,
-                                     keep_last=keep_last)
+                                     keep_last=keep_last, capture=capture)
         super().__init__([self.hook])
 
     @property

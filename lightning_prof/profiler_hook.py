@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from hookprof.hooks.capture import CaptureOptions
 from hookprof.hooks.profiler_hook import DEFAULT_MAX_EVENTS
 from hookprof.hooks.profiler_hook import ProfilerHook as CoreProfilerHook
 from lightning_prof.hook_callback import HookCallback
@@ -37,6 +38,7 @@ class ProfilerHook(HookCallback):
         capture_steps: steps traced after a trigger fires.
         cooldown_steps: steps after a fire during which no trigger fires again.
         keep_last: keep only this run's newest `keep_last` timelines (None: all).
+        capture: a `hookprof.CaptureOptions`: how traced steps are rendered and written (None: the defaults).
         name: tells this callback from another on the same schedule in one Trainer (`HookCallback`'s `name`).
 
     Example::
@@ -62,13 +64,14 @@ class ProfilerHook(HookCallback):
         capture_steps: int = 1,
         cooldown_steps: int = 100,
         keep_last: int | None = None,
+        capture: CaptureOptions | None = None,
         *,
         name: str | None = None,
     ) -> None:
         self.hook = CoreProfilerHook(save_steps, save_secs, output_dir, show_dataflow, show_memory, ranks,
                                      compress, max_events, tensorboard, profiler, with_stack, triggers=triggers,
                                      capture_steps=capture_steps, cooldown_steps=cooldown_steps,
-                                     keep_last=keep_last)
+                                     keep_last=keep_last, capture=capture)
         super().__init__([self.hook], name=name)
 
     @property

@@ -20,7 +20,8 @@ import pytest
 import torch
 
 from hookprof._runtime import worker
-from hookprof.hooks import profiler_hook
+from hookprof.hooks import CaptureOptions, profiler_hook
+from hookprof.hooks.capture import CapturePipeline
 from hookprof.trace import format as fmt
 from hookprof.tracing import STEP_TRACES
 from hookprof.tracing.kineto_trace import KinetoExport, flops
@@ -101,25 +102,34 @@ def test_the_export_gives_torchs_own_times_shapes_and_types_to_the_nanosecond(tm
     assert nodes == expected
 
 
+class KillingPipeline(CapturePipeline):
+    """Arms the kill when the step to kill goes to the render worker."""
+
+    kill_at, armed = None, False
+
+    def render_elsewhere(self, job, exported):
+        self.armed = job.step == self.kill_at
+        return super().render_elsewhere(job, exported)
+
+
 class KillingHook(profiler_hook.ProfilerHook):
     """Sends SIGKILL to the render worker 50 ms after the request to render `step` is sent."""
 
+    pipeline_class = KillingPipeline
+
     def __init__(self, step, monkeypatch, **kwargs):
         super().__init__(**kwargs)
-        self.kill_at, self.armed = step, False
+        pipeline = self.pipeline
+        pipeline.kill_at = step
         send = worker._send
 
         def send_then_kill(out, data):
             send(out, data)
-            if self.armed:
-                self.armed = False
+            if pipeline.armed:
+                pipeline.armed = False
                 threading.Timer(0.05, os.kill, (worker.WORKER._process.pid, signal.SIGKILL)).start()
 
         monkeypatch.setattr(worker, "_send", send_then_kill)
-
-    def _render_elsewhere(self, job, exported):
-        self.armed = job.step == self.kill_at
-        return super()._render_elsewhere(job, exported)
 
 
 class WideModel(TinyModel):
@@ -205,16 +215,19 @@ def test_the_next_export_runs_while_the_worker_renders_the_previous_step(tmp_pat
     """The background thread exports step N+1 while the render worker still renders step N."""
     events = []
 
-    class TimedHook(profiler_hook.ProfilerHook):
-        def _save(self, job):
+    class TimedPipeline(CapturePipeline):
+        def save(self, job):
             events.append(("export", job.step, time.monotonic()))
-            super()._save(job)
+            super().save(job)
 
-        def _render_elsewhere(self, job, exported):
+        def render_elsewhere(self, job, exported):
             start = time.monotonic()
-            rendered = super()._render_elsewhere(job, exported)
+            rendered = super().render_elsewhere(job, exported)
             events.append(("render", job.step, start, time.monotonic()))
             return rendered
+
+    class TimedHook(profiler_hook.ProfilerHook):
+        pipeline_class = TimedPipeline
 
     hook = TimedHook(save_steps=1, output_dir=str(tmp_path / "prof"))
     trainer(str(tmp_path), [HookCallback([hook])], max_steps=6).fit(WideModel(), loader(n=48))
@@ -226,13 +239,13 @@ def test_the_next_export_runs_while_the_worker_renders_the_previous_step(tmp_pat
     assert overlapped  # (each render takes a few hundred ms, a training step far less)
 
 
-def test_without_the_worker_the_same_files_come_from_the_background_thread(tmp_path, monkeypatch):
+def test_without_the_worker_the_same_files_come_from_the_background_thread(tmp_path):
     outputs = {}
     for render_worker in (True, False):
-        monkeypatch.setattr(profiler_hook, "RENDER_WORKER", render_worker)
         out = tmp_path / f"worker-{render_worker}"
-        fit = trainer(str(tmp_path), [ProfilerHook(save_steps=2, output_dir=str(out), show_memory=True)],
-                      max_steps=4)
+        hook = ProfilerHook(save_steps=2, output_dir=str(out), show_memory=True,
+                            capture=CaptureOptions(render_worker=render_worker))
+        fit = trainer(str(tmp_path), [hook], max_steps=4)
         fit.fit(TinyModel(), loader())
         trace = orjson.loads((out / "timeline-4.json").read_bytes())
         outputs[render_worker] = sorted((e.get("cat", ""), e.get("name", ""), e.get("ph", ""))
@@ -355,10 +368,10 @@ def test_a_worker_that_stops_answering_is_stopped_and_costs_that_call_only():
         own.stop()
 
 
-def test_a_step_the_worker_does_not_render_in_time_costs_its_timeline_only(tmp_path, monkeypatch, caplog):
-    monkeypatch.setattr(profiler_hook, "RENDER_TIMEOUT_SECONDS", 1e-6)  # (no worker answers that fast)
+def test_a_step_the_worker_does_not_render_in_time_costs_its_timeline_only(tmp_path, caplog):
     out = tmp_path / "prof"
-    hook = profiler_hook.ProfilerHook(save_steps=2, output_dir=str(out))
+    hook = profiler_hook.ProfilerHook(save_steps=2, output_dir=str(out),
+                                      capture=CaptureOptions(render_timeout_seconds=1e-6))  # (no worker is so fast)
     with caplog.at_level(logging.WARNING):
         fit = trainer(str(tmp_path), [HookCallback([hook])], max_steps=4)
         fit.fit(TinyModel(), loader())

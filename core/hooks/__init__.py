@@ -1,6 +1,7 @@
 """The TF1 hook contract (`SessionRunHook` and its value types), the per-fit driver (`HookedSession`), the
-shared `SecondOrStepTimer`, and the hooks themselves."""
+shared `SecondOrStepTimer`, and the hooks themselves (with `CaptureOptions`, ProfilerHook's `capture=`)."""
 
+from hookprof.hooks.capture import CaptureOptions
 from hookprof.hooks.checkpoint_saver_hook import CheckpointSaverHook, CheckpointSaverListener, latest_checkpoint
 from hookprof.hooks.feed_fn_hook import FeedFnHook
 from hookprof.hooks.final_ops_hook import FinalOpsHook
@@ -25,9 +26,9 @@ from hookprof.hooks.summary_saver_hook import SummarySaverHook
 from hookprof.hooks.timer import NeverTriggerTimer, SecondOrStepTimer
 
 __all__ = [
-    "CheckpointSaverHook", "CheckpointSaverListener", "FeedFnHook", "FinalOpsHook", "GlobalStepWaiterHook",
-    "HookedSession", "latest_checkpoint", "LoggingTensorHook", "ManualSession", "NanLossDuringTrainingError",
-    "NanTensorHook", "NeverTriggerTimer", "ProfilerHook", "RunMetadata", "RunOptions", "SecondOrStepTimer",
-    "Session", "SessionRunArgs", "SessionRunContext", "SessionRunHook", "SessionRunValues", "step_feeds",
-    "StepCounterHook", "StepState", "StopAtStepHook", "SummarySaverHook", "TraceLevel",
+    "CaptureOptions", "CheckpointSaverHook", "CheckpointSaverListener", "FeedFnHook", "FinalOpsHook",
+    "GlobalStepWaiterHook", "HookedSession", "latest_checkpoint", "LoggingTensorHook", "ManualSession",
+    "NanLossDuringTrainingError", "NanTensorHook", "NeverTriggerTimer", "ProfilerHook", "RunMetadata", "RunOptions",
+    "SecondOrStepTimer", "Session", "SessionRunArgs", "SessionRunContext", "SessionRunHook", "SessionRunValues",
+    "step_feeds", "StepCounterHook", "StepState", "StopAtStepHook", "SummarySaverHook", "TraceLevel",
 ]

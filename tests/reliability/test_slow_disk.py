@@ -1,7 +1,7 @@
 """A real slow disk (a FUSE passthrough whose every written file takes a second to close): `save_steps=1`
 traces come faster than the disk takes them. Training must neither stall nor hold ever more files: at most
-`MAX_PENDING_WRITES` rendered steps wait, the rest are skipped, counted, said once, and the next file says
-how many."""
+`CaptureOptions.max_pending_writes` rendered steps wait, the rest are skipped, counted, said once, and the next
+file says how many."""
 
 import json
 import os
@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from hookprof.hooks.profiler_hook import MAX_PENDING_WRITES
+from hookprof.hooks import CaptureOptions
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
@@ -88,7 +88,8 @@ SCRIPT = textwrap.dedent("""
     hook, seconds = fit(slow, steps)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     print(json.dumps({"paths": hook.saved_paths, "skipped": hook.hook.skipped_traces,
-                      "unreported": hook.hook._skipped_since_file, "seconds": seconds, "fast_seconds": fast_seconds,
+                      "unreported": hook.hook.pipeline.skipped_since_file, "seconds": seconds,
+                      "fast_seconds": fast_seconds,
                       "peak_growth": peak - before, "fast_sizes": [os.path.getsize(p) for p in warm.saved_paths],
                       "warnings": [m for m in records if "faster than the disk" in m]}))
 """)
@@ -106,7 +107,7 @@ def test_a_slow_disk_skips_traces_rather_than_stalling_or_growing(slow_dir, tmp_
     assert written + skipped == steps - 1 and skipped > written
     # training was not held up by the disk: waiting for each file (1 s) would add (steps - 1) s to the fast fit
     assert result["seconds"] < result["fast_seconds"] + (steps - 1) / 2, result
-    assert MAX_PENDING_WRITES == 2  # (the bound the memory figure below assumes)
+    assert CaptureOptions().max_pending_writes == 2  # (the default bound the memory figure below assumes)
     # memory stayed bounded: the skipped files, held, would have taken skipped x their size (ru_maxrss is coarse:
     # the step stats being rendered count too)
     size = min(result["fast_sizes"])

@@ -1,0 +1,449 @@
+"""The capture pipeline: what becomes of a traced step once it ran (ProfilerHook hands it over here).
+
+`CapturePipeline.submit` takes the step's `RunMetadata` and where its files go, and, off the training thread:
+exports it (the background thread), renders it (`render_step`, in the render worker process where one can run,
+else on the background thread), and writes the timeline and its TensorBoard events (the disk's thread). It
+bounds how many rendered steps wait for the disk (a step due past that is skipped, counted), keeps only the
+newest timelines (`Retention`, keep_last), counts what it could not write and says each failure once.
+
+Its tuning is a `CaptureOptions`, given to ProfilerHook as `capture=`; nothing here is process-wide state.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import logging
+import os
+import tempfile
+import time
+import traceback
+from typing import Any
+
+from hookprof._runtime import arguments, worker
+from hookprof._runtime.atomic_file import atomic_write
+from hookprof._runtime.background import BACKGROUND, RENDERS, WRITES, BackgroundJob, count_dropped
+from hookprof._runtime.warn_once import WarnOnce
+from hookprof.hooks.trigger_watch import CaptureWindow
+from hookprof.step_stats import DeviceStepStats, NodeExecStats, StepStats
+from hookprof.tensorboard.events import EventWriter, SerializedEvent
+from hookprof.trace import format as fmt
+from hookprof.trace.writer import ChromeTraceWriter
+from hookprof.tracing import HOST_DEVICE
+
+# ProfilerHook's logger: its messages ("Saving timeline ...") stay where users set ProfilerHook's level.
+log = logging.getLogger("hookprof.hooks.profiler_hook")
+
+# What the render worker imports while the first steps run (`worker.WORKER.start`): `render_step` (pickled by
+# name, so its module), what it converts and renders with, and what its results are made of.
+WORKER_MODULES = ("hookprof.hooks.capture", "hookprof.tracing.kineto_trace", "hookprof.tensorboard.graph",
+                  "tensorboard.compat.proto.event_pb2", "orjson")
+
+
+@dataclasses.dataclass(frozen=True)
+class CaptureOptions:
+    """How a ProfilerHook's traced steps are rendered and written (`ProfilerHook(capture=CaptureOptions(...))`).
+
+    Args:
+        render_worker: convert and render traced steps in the render worker process where one can run
+            (`hookprof._runtime.worker`); False keeps that work on the training process's background thread.
+        render_timeout_seconds: a step the render worker has not rendered in this long is dropped (one warning)
+            and the worker stopped: a hung worker (a stalled TMPDIR, say) must not hold up the fit's end. At the
+            worker's pace (tens of microseconds an event at most) 300 s leaves a wide margin for steps of
+            millions of events.
+        max_pending_writes: traced steps rendered and waiting for the disk, at most (each is held in memory
+            until written): past that a step due to be traced is not, and is counted (`skipped_traces`, and the
+            next file's metadata `skipped_traces`).
+        write_grace_seconds: how long a full queue is given to free a place first: a disk that keeps up does so
+            within moments (the writer thread may only be waiting for the GIL), so only a slow disk ever costs a
+            trace. 0: no grace.
+    """
+
+    render_worker: bool = True
+    render_timeout_seconds: float = 300.0
+    max_pending_writes: int = 2
+    write_grace_seconds: float = 0.05
+
+    def __post_init__(self) -> None:
+        owner = type(self).__name__
+        arguments.check_bool(owner, "render_worker", self.render_worker)
+        arguments.check_seconds(owner, "render_timeout_seconds", self.render_timeout_seconds)
+        arguments.check_positive_int(owner, "max_pending_writes", self.max_pending_writes)
+        grace = self.write_grace_seconds
+        if isinstance(grace, bool) or grace != 0:  # (0 is allowed: no grace)
+            arguments.check_seconds(owner, "write_grace_seconds", grace)
+
+
+class Retention:
+    """keep_last: the newest `keep_last` timelines of a run are kept, older ones removed (`removed` counts them).
+    None keeps all. Only files handed to `retain` (written by its hook, in this run) are ever removed."""
+
+    def __init__(self, keep_last: int | None, warn_once: WarnOnce | None = None) -> None:
+        self.keep_last = keep_last
+        self.removed = 0
+        self._kept: collections.deque[str] = collections.deque()  # this run's timelines, oldest first
+        self._warn_once = warn_once or WarnOnce(log)
+
+    def reset(self) -> None:
+        """A new run: the files of the last one are no longer this one's to remove."""
+        self._kept.clear()
+
+    def retain(self, path: str) -> list[str]:
+        """`path` was written (whole): remove the run's oldest timelines beyond the newest `keep_last`; return the
+        paths removed (or gone already)."""
+        if self.keep_last is None:
+            return []
+        kept, gone = self._kept, []
+        if path not in kept:
+            kept.append(path)
+        while len(kept) > self.keep_last:
+            old = kept.popleft()
+            try:
+                os.remove(old)
+            except FileNotFoundError:
+                pass  # removed by someone else: nothing to keep or count
+            except OSError as err:
+                self._warn_once(f"remove:{err.errno}", "Could not remove old timeline %s (%s); keep_last=%d goes "
+                                "on with the newer ones.", old, err.strerror or err, self.keep_last)
+                continue
+            else:
+                self.removed += 1
+            gone.append(old)
+        return gone
+
+
+NO_TENSORBOARD = "no tensorboard"
+
+
+@dataclasses.dataclass
+class RenderSpec:
+    """What rendering a traced step needs besides its stats and the writer (picklable, for the worker)."""
+
+    step: int
+    run_step: int | None  # the RunMetadata's step, for stats whose tracer left it unset
+    metadata: dict[str, Any]
+    distributed: dict[str, Any]
+    capture: CaptureWindow | None  # the trigger's fire this step was traced for
+    tag: str
+    events: bool  # whether to build the TensorBoard step graph and run metadata
+
+
+@dataclasses.dataclass
+class Rendered:
+    """A traced step rendered: the timeline (bytes, result) and the TensorBoard events, or what failed (as
+    text: a worker's exceptions do not cross the pipe)."""
+
+    trace: tuple[Any, Any] | None = None
+    events: list[Any] | None = None
+    convert_error: str | None = None  # a traceback's text
+    render_error: str | None = None
+    events_error: str | None = None  # NO_TENSORBOARD, or a traceback's text
+    graph_seconds: float = 0.0  # building the step graph and run metadata (the benchmarks read it)
+
+
+def render_step(source: Any, writer: ChromeTraceWriter, spec: RenderSpec) -> Rendered:
+    """A traced step's timeline bytes and TensorBoard events, from its `StepStats` or from an export to convert
+    (`to_stats()`). Runs in the render worker or on the background thread. The
+    events come serialized (`SerializedEvent`: what an event file holds; they cross the worker's pipe so)."""
+    rendered = Rendered()
+    stats = source
+    if not isinstance(source, StepStats):
+        try:
+            stats = source.to_stats()
+        except FileNotFoundError as err:  # something removed it from TMPDIR (a tmp cleaner) before its render
+            rendered.convert_error = (f"its export {err.filename} was removed from the temporary directory before "
+                                      "it was rendered (a tmp cleaner?); the next traced steps make it again")
+            return rendered
+        except Exception:  # a conversion bug costs this trace, never the training run
+            rendered.convert_error = traceback.format_exc()
+            return rendered
+    if stats.step is None:
+        stats.step = spec.run_step
+    try:
+        file_stats = with_recent_steps(stats, spec.capture) if spec.capture is not None else stats
+        rendered.trace = writer.render(file_stats, spec.metadata, spec.distributed)
+    except Exception:  # a bug of ours must not end the training run
+        rendered.render_error = traceback.format_exc()
+    if spec.events:
+        start = time.perf_counter()
+        try:
+            from hookprof.tensorboard import graph as tensorboard_graph
+
+            events = tensorboard_graph.run_metadata_events(stats, spec.tag, spec.step)
+        except ImportError:
+            rendered.events_error = NO_TENSORBOARD
+        except Exception:  # a bug of ours must not end the training run
+            rendered.events_error = traceback.format_exc()
+        else:
+            rendered.events = [SerializedEvent(e.SerializeToString()) for e in events]
+        rendered.graph_seconds = time.perf_counter() - start
+    return rendered
+
+
+RECENT_STEPS_THREAD_ID = 1  # the host pseudo-thread of a trigger's window (the step phases' is 0)
+
+
+def with_recent_steps(stats: StepStats, capture: CaptureWindow) -> StepStats:
+    """The stats to write for a triggered step: these, plus the phases of the firing step and those before
+    it on the host's "Steps before the trigger" thread (in a copy: the Profiler and the step graph see the
+    traced step alone)."""
+    fired = {fire["step"]: fire["kind"] for fire in capture.fires}
+    spans = []
+    for record in capture.recent:
+        label = f"step {record.step}" + (f" ({fired[record.step]})" if record.step in fired else "")
+        layout = [(label, record.start, record.end or record.start)] + record.spans()
+        for name, start, stop in layout:
+            spans.append(NodeExecStats(node_name=f"recent/step_{record.step}/{name}", op=name, start_ns=start,
+                                       duration_ns=max(0, stop - start), thread_id=RECENT_STEPS_THREAD_ID,
+                                       category=fmt.CAT_RECENT_STEP))
+    if not spans:
+        return stats
+    devices = list(stats.dev_stats)
+    host = next((i for i, dev in enumerate(devices) if dev.device == HOST_DEVICE), None)
+    old = devices[host] if host is not None else DeviceStepStats(HOST_DEVICE)
+    new = DeviceStepStats(HOST_DEVICE, spans + old.node_stats,
+                          {**old.thread_names, RECENT_STEPS_THREAD_ID: fmt.RECENT_STEPS_THREAD})
+    if host is None:
+        devices.append(new)
+    else:
+        devices[host] = new
+    return dataclasses.replace(stats, dev_stats=devices)
+
+
+class Job:
+    """One traced step to write, with where it goes fixed on the training thread when the step ended (a next
+    fit may change the hook's directory and event stream before the background thread gets to it)."""
+
+    __slots__ = ("step", "run_metadata", "path", "output_dir", "events", "spec")
+
+    def __init__(self, step: int, run_metadata: Any, session: Any, path: str, output_dir: str | None, events: Any,
+                 capture: CaptureWindow | None, skipped: int = 0) -> None:
+        rank, world_size = getattr(session, "rank", 0), getattr(session, "world_size", 1)
+        self.step = step
+        self.run_metadata = run_metadata
+        self.path = path
+        self.output_dir = output_dir
+        metadata = {"framework": getattr(session, "framework", "unknown"), fmt.RANK: rank, fmt.WORLD_SIZE: world_size}
+        if skipped:
+            metadata[fmt.SKIPPED_TRACES] = skipped
+        if capture is not None:
+            metadata[fmt.TRIGGER] = capture.fires[0]
+            if len(capture.fires) > 1:
+                metadata[fmt.TRIGGERS_ALSO] = capture.fires[1:]
+        distributed = {fmt.RANK: rank, fmt.WORLD_SIZE: world_size}
+        backend = getattr(session, "distributed_backend", None)
+        if backend:
+            distributed["backend"] = backend
+        self.events = events
+        # ranks share the run directory: their tags must not collide
+        tag = f"step_{step}" if world_size == 1 else f"step_{step}_rank{rank}"
+        self.spec = RenderSpec(step, run_metadata.step, metadata, distributed, capture, tag, events is not None)
+
+
+class CapturePipeline:
+    """A traced step's way to disk: export (background thread) -> render (the render worker, or the background
+    thread with a Profiler or where no worker can run) -> write (the disk's thread), one hook's steps in order.
+
+    `saved_paths` lists the timelines written and kept; `skipped_traces` the steps not traced because
+    `max_pending_writes` files waited for the disk; failures to write are counted in `counts.dropped_outputs`
+    (the hook's, by default this pipeline's own) and each is said once. `save`, `render_elsewhere` and `finish`
+    are the stages (a subclass may time them: the benchmarks do).
+    """
+
+    def __init__(self, writer: ChromeTraceWriter, options: CaptureOptions | None = None, profiler: Any = None,
+                 keep_last: int | None = None, warn_once: WarnOnce | None = None, counts: Any = None) -> None:
+        self.writer = writer
+        self.options = options if options is not None else CaptureOptions()
+        self.profiler = profiler
+        self._warn_once = warn_once or WarnOnce(log)
+        self.retention = Retention(keep_last, self._warn_once)
+        self.dropped_outputs = 0
+        self._counts = self if counts is None else counts  # whose `dropped_outputs` counts the failures
+        self._saved_paths: list[str] = []
+        self._pending: BackgroundJob | None = None  # the background job of the last traced step
+        self._rendering: BackgroundJob | None = None  # the last job waiting for the render worker (RENDERS)
+        self._writes: collections.deque[BackgroundJob] = collections.deque()  # on the disk's worker, in order
+        self.skipped_traces = 0  # steps due to be traced while max_pending_writes files waited for the disk
+        self.skipped_since_file = 0  # of those, the ones no file's metadata has reported yet
+
+    # --- on the training thread -----------------------------------------------------------------------------
+
+    def uses_worker(self) -> bool:
+        return self.options.render_worker and worker.AVAILABLE and self.profiler is None
+
+    def start_worker(self) -> None:
+        """Start the render worker's interpreter now, while the first steps run (where it will be used)."""
+        if self.uses_worker():
+            with contextlib.suppress(OSError):  # (none to be had: the first traced step says so)
+                worker.WORKER.start(WORKER_MODULES)
+
+    def begin(self) -> None:
+        """A new run (the last one's files are flushed first by the hook)."""
+        self.retention.reset()
+
+    def room_to_write(self) -> bool:
+        """Whether fewer than max_pending_writes of this pipeline's rendered steps wait for the disk, after giving
+        a full queue write_grace_seconds."""
+        writes, limit = self._writes, self.options.max_pending_writes
+
+        def pending() -> int:
+            while writes and writes[0].done:
+                writes.popleft()
+            return len(writes)  # (steps being rendered are the CPU's backlog: the next trace waits, see save)
+
+        if pending() < limit:
+            return True
+        if writes:
+            writes[0].wait(self.options.write_grace_seconds)
+        return pending() < limit
+
+    def skip(self, step: int, output_dir: str | None) -> None:
+        """Step `step` was due but not traced (no room to write): count it, say so once."""
+        self.skipped_traces += 1
+        self.skipped_since_file += 1
+        self._warn_once("skipped", "Timelines are traced faster than the disk takes them: %d files wait to be "
+                        "written into %s, so step %d was not traced. Skipped steps are counted in "
+                        "`skipped_traces` and in the next file's metadata; trace less often to keep them.",
+                        self.options.max_pending_writes, output_dir, step)
+
+    def submit(self, step: int, run_metadata: Any, session: Any, path: str, output_dir: str | None, events: Any,
+               capture: CaptureWindow | None = None) -> BackgroundJob:
+        """Hand a traced step over: its timeline goes to `path`, its TensorBoard events to `events` (None for
+        none). Converting the step's events and writing them costs as much as torch's profiler stop: it runs on
+        the background thread while training goes on (see hookprof._runtime.background)."""
+        skipped, self.skipped_since_file = self.skipped_since_file, 0
+        job = Job(step, run_metadata, session, path, output_dir, events, capture, skipped)
+        self._pending = BACKGROUND.submit(lambda: self.save(job))
+        if self.profiler is not None:
+            self.profiler.wait_for(self._pending)  # its reports include this step
+        return self._pending
+
+    @property
+    def saved_paths(self) -> list[str]:
+        """The timelines written so far and still kept, oldest first (waits for one still being written)."""
+        self.flush()
+        return list(self._saved_paths)
+
+    def flush(self) -> None:
+        """Wait until every step handed over so far is on disk (files, TensorBoard, the Profiler)."""
+        if self._pending is not None:
+            self._pending.wait()  # the jobs run in order: the last one done, all are
+        if self._rendering is not None:
+            self._rendering.wait()  # (and so do the render worker's, which the background jobs fed)
+        if self._writes:
+            self._writes[-1].wait()  # and so do the disk's
+            self._writes.clear()
+
+    # --- the stages, off the training thread ----------------------------------------------------------------
+
+    def save(self, job: Job) -> None:
+        """On the background thread: hand the traced step to the render worker as kineto's export
+        (`hookprof._runtime.worker`, called from `RENDERS`), or, with a Profiler (which wants the stats here),
+        where no worker can run, or when someone converted the step already, convert and render it here and
+        add it to the Profiler."""
+        if self.uses_worker():
+            try:
+                exported = job.run_metadata.export()
+            except OSError as err:  # no room in the temporary directory for kineto's export
+                count_dropped(self._counts)
+                self._warn_once("export", "Could not export traced step %d to %s (%s: is it full, or read-only?); "
+                                "training goes on without its timeline. Set TMPDIR to a directory with room.",
+                                job.step, tempfile.gettempdir(), err.strerror or err)
+                return
+            except Exception:  # a tracer bug costs this trace, never the training run
+                self._warn_once("convert", "Collecting the traced step failed; it has no timeline.", exc_info=True)
+                return
+            if exported is not None:
+                if self._rendering is not None:
+                    # One step renders while the next is exported, no more: a schedule faster than the worker
+                    # makes the next traced step wait here (the coordinator waits for this thread), rather than
+                    # piling exports up in TMPDIR and memory.
+                    self._rendering.wait()
+                self._rendering = RENDERS.submit(lambda: self.finish(job, self.render_elsewhere(job, exported)))
+                return
+        stats = job.run_metadata.step_stats
+        self.finish(job, None if stats is None else render_step(stats, self.writer, job.spec))
+        if self.profiler is not None:
+            try:
+                self.profiler.add_step(job.step, job.run_metadata)
+            except Exception:  # the Profiler's bug must not cost the timeline or the run
+                self._warn_once("profiler", "Profiler.add_step(%d) failed.", job.step, exc_info=True)
+
+    def render_elsewhere(self, job: Job, exported: Any) -> Rendered | None:
+        """On `RENDERS`: the step rendered by the render worker (here if none can start)."""
+        try:
+            return worker.WORKER.call(render_step, exported, self.writer, job.spec,
+                                      timeout=self.options.render_timeout_seconds)
+        except worker.WorkerFailed as err:
+            count_dropped(self._counts)
+            self._warn_once("worker", "Could not render timeline %s: %s. Training goes on without it.", job.path,
+                            str(err).strip())
+        except OSError as err:  # no process to be had
+            self._warn_once("no worker", "The render worker could not start (%s); timelines are rendered in the "
+                            "training process.", err.strerror or err)
+            return render_step(exported, self.writer, job.spec)
+        except Exception:  # a bug of ours (a step that does not pickle) must not end the training run
+            count_dropped(self._counts)
+            self._warn_once("worker:bug", "Could not hand timeline %s to the render worker; training goes on "
+                            "without it.", job.path, exc_info=True)
+        return None
+
+    def finish(self, job: Job, rendered: Rendered | None) -> None:
+        """Say what failed in rendering a step, and hand what was rendered to the disk's worker (`WRITES`)."""
+        if rendered is None:
+            return
+        if rendered.convert_error is not None:
+            self._warn_once("convert", "Collecting the traced step failed; it has no timeline.\n%s",
+                            rendered.convert_error)
+            return
+        if rendered.render_error is not None:
+            count_dropped(self._counts)
+            self._warn_once("render", "Could not render timeline %s; training goes on without it.\n%s", job.path,
+                            rendered.render_error)
+        if rendered.events_error == NO_TENSORBOARD:
+            self._warn_once("no tensorboard", "The tensorboard package is not installed: timelines are written "
+                            "but not the step_N graphs; pip install tensorboard, or pass tensorboard=False.")
+        elif rendered.events_error is not None:
+            count_dropped(self._counts)
+            self._warn_once("tb:render", "Could not build step_%d for TensorBoard.\n%s", job.step,
+                            rendered.events_error)
+        trace, events = rendered.trace, rendered.events
+        if trace is not None or events:
+            self._writes.append(WRITES.submit(lambda: self.store(job, trace, events)))
+
+    def store(self, job: Job, trace: Any, events: list[Any] | None) -> None:
+        """On the disk's worker: put a rendered step on disk (the timeline atomically, then its events)."""
+        if trace is not None:
+            self._write_file(job.path, *trace)
+        if events:
+            try:
+                for event in events:
+                    if isinstance(event, SerializedEvent) and not isinstance(job.events, EventWriter):
+                        event = event.proto()  # a sink passing events to someone else's writer
+                    job.events.add_event(event)
+            except Exception as err:  # TensorBoard output must not end the training run either
+                count_dropped(self._counts)
+                reason = (err.strerror or str(err)) if isinstance(err, OSError) else type(err).__name__
+                self._warn_once(f"tb:{reason}", "Could not write step_%d to TensorBoard in %s (%s); training goes "
+                                "on without it.", job.step, job.output_dir, reason)
+
+    def _write_file(self, path: str, data: Any, result: Any) -> None:
+        log.info("Saving timeline into '%s'.", path)
+        try:
+            with atomic_write(path) as out:
+                data.write_to(out)
+        except OSError as err:  # a full disk must not end the training run
+            count_dropped(self._counts)
+            reason = err.strerror or str(err)
+            self._warn_once(reason, "Could not write timeline %s (%s); training goes on without it.", path, reason)
+            return
+        if result.truncated:
+            self._warn_once("truncated", "Timeline %s was cut at max_events=%d events; raise max_events to keep "
+                            "whole steps.", path, self.writer.max_events)
+        if path in self._saved_paths:  # written again (a second fit from step 0 into the same directory)
+            self._saved_paths.remove(path)
+        self._saved_paths.append(path)
+        for old in self.retention.retain(path):  # (keep_last, after `path` is whole)
+            if old in self._saved_paths:
+                self._saved_paths.remove(old)
