@@ -58,7 +58,7 @@ MAX_BYTES = 512 << 20  # the most a timeline may hold (uncompressed): hookprof's
 MAX_RATIO = 200  # the most a .gz timeline may inflate per byte (JSON gzips ~10:1; a bomb ~1000:1) ...
 _RATIO_FREE = 16 << 20  # ... once past this much output
 _CHUNK = 1 << 20
-MAX_MICROS = 1e15  # a timestamp or duration beyond this (31 years in microseconds) is no timeline's
+MAX_MICROS = 1e17  # a timestamp or duration beyond this (3,000 years in microseconds; epoch times are ~1.8e15)
 
 
 class InputTooLarge(ValueError):
