@@ -45,6 +45,12 @@ def main(argv: list[str] | None = None) -> int:
     advise.add_argument("--checker", action="append", default=None, help="run only these checkers (repeatable)")
 
     args = parser.parse_args(argv)
+    # what the commands print comes from files (op names, paths): a terminal escape in one is shown, not obeyed
+    with _printable(sys, "stdout"), _printable(sys, "stderr"):
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         return _COMMANDS[args.command](args)
     except CommandError as err:
@@ -75,6 +81,38 @@ def _view_options(args: argparse.Namespace) -> dict:
         ("show_name_regexes", args.show), ("hide_name_regexes", args.hide),
         ("account_type_regexes", args.account_types), ("output", args.output),
         ("select", args.select.split(",") if args.select else None)) if value is not None}
+
+
+_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")  # C0 (but tab and newline), DEL, C1 (ESC included)
+
+
+def printable(text: str) -> str:
+    """`text` with terminal control characters (ESC, CSI, BEL, ...) replaced by `?`."""
+    return _CONTROL.sub("?", text)
+
+
+class _Printable:
+    """A text stream that writes `printable(text)` to the stream it wraps (and is that stream otherwise)."""
+
+    def __init__(self, stream) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        self._stream.write(printable(text))
+        return len(text)
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+
+@contextlib.contextmanager
+def _printable(module, name: str):
+    stream = getattr(module, name)
+    setattr(module, name, _Printable(stream))
+    try:
+        yield
+    finally:
+        setattr(module, name, stream)
 
 
 class CommandError(Exception):
@@ -194,13 +232,15 @@ def load_profiler(inputs: list[str]):
     Raises `CommandError` naming the input and its problem when one cannot be read.
     """
     from hookprof.profiler import Profiler
-    from hookprof.trace.reader import os_problem, read_timeline
+    from hookprof.trace.reader import InputTooLarge, os_problem, read_bounded, read_timeline
 
     if len(inputs) == 1 and not inputs[0].endswith((".json", ".json.gz")):
         path = inputs[0]
         try:
             with open(path, "rb") as f:
-                blob = f.read()
+                blob = read_bounded(f, path)  # (a profile's declared size is checked again while inflating)
+        except InputTooLarge as err:
+            raise CommandError(f"{path}: refused: {err}") from None
         except OSError as err:
             raise CommandError(f"{path}: {os_problem(err)}") from None
         try:
@@ -224,7 +264,7 @@ def _reading(path: str, read):
         return read(path)
     except TimelineError as err:
         raise CommandError(str(err)) from None
-    except (KeyError, TypeError, ValueError, AttributeError) as err:
+    except (KeyError, TypeError, ValueError, AttributeError, OverflowError, IndexError) as err:
         raise CommandError(f"{path}: malformed timeline ({type(err).__name__}: {err})") from None
 
 

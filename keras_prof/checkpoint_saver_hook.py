@@ -24,13 +24,13 @@ def model_saver(session: Any) -> Callable[[str], str | None]:
     def save(path: str) -> str:
         target = path + EXTENSION
         with atomic_write(target) as f:
-            _save_model(model, f)
+            _save_model(model, f, os.path.dirname(target))
         return target
 
     return save
 
 
-def _save_model(model: Any, fileobj: Any) -> None:
+def _save_model(model: Any, fileobj: Any, directory: str) -> None:
     try:
         from keras.src.saving import saving_lib
     except ImportError:  # a Keras that moved it: its public save takes a path only
@@ -40,7 +40,8 @@ def _save_model(model: Any, fileobj: Any) -> None:
         return
     import tempfile
 
-    with tempfile.TemporaryDirectory() as tmp:
+    # beside the checkpoint, not in TMPDIR: a full TMPDIR (another filesystem) must not cost the checkpoint
+    with tempfile.TemporaryDirectory(dir=directory, prefix=".keras-save-") as tmp:
         path = os.path.join(tmp, "model.keras")
         model.save(path)
         with open(path, "rb") as src:
@@ -56,8 +57,9 @@ class CheckpointSaverHook(HookCallback):
     schedule fires, and one at the end when the last step was not saved; listeners around each save. Files are
     `<checkpoint_dir>/<checkpoint_basename>-<global step>.keras`, whole models with their optimizer state, so
     `keras.models.load_model(path)` followed by `fit` resumes at that step (and this hook's step schedule goes
-    on from it). `latest_checkpoint(checkpoint_dir)` names the newest. A failed save (a full disk) is warned
-    about once and counted in `hook.dropped_outputs`; training goes on. `saver=` replaces the `.keras` save.
+    on from it). `latest_checkpoint(checkpoint_dir)` names the newest. A failed save (a full disk, whatever the saver
+    raises) is warned about once and counted in `hook.failed_saves`; training goes on (`strict=True` raises).
+    `saver=` replaces the `.keras` save.
 
     Example::
 
@@ -74,9 +76,10 @@ class CheckpointSaverHook(HookCallback):
         checkpoint_basename: str = "model.ckpt",
         scaffold: Any = None,
         listeners: Sequence[CheckpointSaverListener] | None = None,
+        strict: bool = False,
     ) -> None:
         self.hook = CoreCheckpointSaverHook(checkpoint_dir, save_secs, save_steps, saver, checkpoint_basename,
-                                            scaffold, listeners)
+                                            scaffold, listeners, strict=strict)
         self.hook.set_default_saver(model_saver)
         super().__init__([self.hook])
 

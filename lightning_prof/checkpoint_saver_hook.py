@@ -54,9 +54,10 @@ class CheckpointSaverHook(HookCallback):
     `<checkpoint_dir>/<checkpoint_basename>-<global step>.ckpt`, written by `trainer.save_checkpoint` (model,
     optimizers, loops, callbacks: this hook's schedule included), so `Trainer.fit(model, ckpt_path=path)`
     resumes at that global step and the schedule goes on without saving that step again.
-    `latest_checkpoint(checkpoint_dir)` names the newest. A failed save (a full disk) is warned about once and
-    counted in `hook.dropped_outputs`; training goes on. `saver=` replaces Lightning's checkpointing. Two of
-    these on one schedule in one Trainer need `name=` (see `HookCallback`).
+    `latest_checkpoint(checkpoint_dir)` names the newest. A failed save (a full disk, whatever the saver raises)
+    is warned about once and counted in `hook.failed_saves`; training goes on (`strict=True` raises).
+    `saver=` replaces Lightning's checkpointing. Two of these on one schedule in one Trainer need `name=`
+    (see `HookCallback`).
 
     Example::
 
@@ -72,11 +73,12 @@ class CheckpointSaverHook(HookCallback):
         checkpoint_basename: str = "model.ckpt",
         scaffold: Any = None,
         listeners: Sequence[CheckpointSaverListener] | None = None,
+        strict: bool = False,
         *,
         name: str | None = None,
     ) -> None:
         self.hook = CoreCheckpointSaverHook(checkpoint_dir, save_secs, save_steps, saver, checkpoint_basename,
-                                            scaffold, listeners)
+                                            scaffold, listeners, strict=strict)
         self.hook.set_default_saver(trainer_saver)
         super().__init__([self.hook], name=name)
 

@@ -473,3 +473,114 @@ def test_keras_saves_at_tfs_steps_and_load_model_resumes_at_its_step(tmp_dir):
     assert first_step == 5  # optimizer.iterations continued from the checkpoint's
     assert int(keras.ops.convert_to_numpy(model.optimizer.iterations)) == 11
     assert recorder.saved == [10, 11]  # step 5 is not saved again; 10 on schedule, 11 at the end
+
+
+# --- real faults (issue 29): a full disk under a user's saver, a full TMPDIR, a bad checkpoint_dir -------------
+
+def test_a_bad_checkpoint_dir_is_named_as_checkpoint_dir(tmp_dir):
+    a_file = os.path.join(tmp_dir, "a-file")
+    with open(a_file, "w"):
+        pass
+    with pytest.raises(ValueError) as raised:
+        CheckpointSaverHook(os.path.join(a_file, "ckpt"), save_steps=1, saver=FakeSaver())
+    message = str(raised.value)
+    assert message.startswith("`CheckpointSaverHook(checkpoint_dir=") and "pass a directory for `checkpoint_dir`" in \
+        message and "output_dir" not in message
+    with pytest.raises(TypeError, match="`strict` must be True or False"):
+        CheckpointSaverHook(tmp_dir, save_steps=1, saver=FakeSaver(), strict="yes")
+
+
+def test_any_error_of_a_saver_is_a_failed_save_unless_strict(tmp_dir, caplog):
+    hook = CheckpointSaverHook(tmp_dir, save_steps=1, saver=FakeSaver(fail=RuntimeError("file write failed")))
+    with caplog.at_level(logging.WARNING):
+        loop = Loop(hook, create_session=True)
+        loop.run()
+        loop.end()
+    assert hook.failed_saves == hook.dropped_outputs == 2
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "RuntimeError: file write failed" in warnings[0]
+    assert os.path.join(tmp_dir, "model.ckpt-0") in warnings[0]
+    strict = CheckpointSaverHook(tmp_dir, save_steps=1, saver=FakeSaver(fail=RuntimeError("boom")), strict=True)
+    with pytest.raises(RuntimeError, match="boom"):
+        Loop(strict, create_session=True)
+
+
+@pytest.fixture
+def full_tmpfs(tmp_path):
+    from tests.reliability.real_disk import Tmpfs
+
+    disk = Tmpfs(str(tmp_path / "full"), size="1m")
+    try:
+        disk.fill()
+        yield disk
+    finally:
+        disk.unmount()
+
+
+def test_lightning_user_saver_torch_save_on_a_real_full_disk_does_not_end_training(tmp_dir, full_tmpfs, caplog):
+    """torch.save on a full disk raises RuntimeError (PytorchStreamWriter), not OSError: the old code let it
+    end the fit."""
+    from lightning_prof.checkpoint_saver_hook import CheckpointSaverHook as LightningCheckpointSaverHook
+
+    model = TinyModel()
+
+    def save(path):
+        torch.save(model.state_dict(), path + ".pt")
+        return path + ".pt"
+
+    ckpt_dir = os.path.join(full_tmpfs.path, "ckpt")
+    hook = LightningCheckpointSaverHook(ckpt_dir, save_steps=2, saver=save)
+    fit_trainer = trainer(tmp_dir, [hook], max_steps=4)
+    with caplog.at_level(logging.WARNING):
+        fit_trainer.fit(model, loader())
+    assert fit_trainer.global_step == 4
+    assert hook.hook.failed_saves == 3  # steps 0, 2, 4
+    warnings = [r.getMessage() for r in caplog.records
+                if r.levelno == logging.WARNING and "Could not save the checkpoint" in r.getMessage()]
+    assert len(warnings) == 1, warnings
+    assert os.path.join(ckpt_dir, "model.ckpt-0") in warnings[0] and "RuntimeError" in warnings[0]
+    assert f"{ckpt_dir} is full" in warnings[0]
+    assert latest_checkpoint(ckpt_dir) is None
+
+    strict = LightningCheckpointSaverHook(ckpt_dir, save_steps=2, saver=save, strict=True)
+    with pytest.raises(RuntimeError):
+        trainer(tmp_dir, [strict], max_steps=4).fit(model, loader())
+
+
+def test_keras_save_with_only_tmpdir_full_names_tmpdir_not_the_checkpoint_dir(tmp_dir, full_tmpfs, monkeypatch,
+                                                                               caplog):
+    """Keras writes a model's assets into TMPDIR before zipping them into the .keras file; with TMPDIR full (a
+    real tmpfs, filled once the run has started: Python's tempfile chose it then) and the checkpoint directory
+    with room, the warning says which directory is full instead of blaming the checkpoint directory."""
+    import tempfile
+
+    from keras_prof.checkpoint_saver_hook import CheckpointSaverHook as KerasCheckpointSaverHook
+
+    @keras.saving.register_keras_serializable("hookprof_tests")
+    class Vocabulary(keras.layers.Layer):
+        def call(self, x):
+            return x
+
+        def save_assets(self, directory):
+            with open(os.path.join(directory, "vocabulary.txt"), "w") as f:
+                f.write("token\n" * 1000)
+
+        def load_assets(self, directory):
+            pass
+
+    monkeypatch.setattr(tempfile, "tempdir", full_tmpfs.path)
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((8,)), Vocabulary(), keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    x, y = _keras_data(16)
+    ckpt_dir = os.path.join(tmp_dir, "ckpt")
+    hook = KerasCheckpointSaverHook(ckpt_dir, save_steps=2)
+    with caplog.at_level(logging.WARNING):
+        model.fit(x, y, batch_size=4, epochs=1, callbacks=[hook], verbose=0)
+    assert hook.hook.failed_saves == 3  # steps 0, 2, 4: Keras' own temporaries cannot be written
+    warnings = [r.getMessage() for r in caplog.records
+                if r.levelno == logging.WARNING and "Could not save the checkpoint" in r.getMessage()]
+    assert len(warnings) == 1, warnings
+    assert f"the temporary directory {full_tmpfs.path} (TMPDIR) is full" in warnings[0]
+    assert "the checkpoint directory has room" in warnings[0]
+    assert not [n for n in os.listdir(ckpt_dir) if n.endswith(".tmp")]

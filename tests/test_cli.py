@@ -14,6 +14,7 @@ import re
 import shutil
 import subprocess
 import sys
+import zlib
 
 import orjson
 import pytest
@@ -333,3 +334,118 @@ def test_advise(work, monkeypatch):
     # tfprof's layout, exactly what the Profiler's advice is for these files: printed once, not twice
     monkeypatch.chdir(work)
     assert done.stdout == report_text(advise(load_profiler(GOOD).data))
+
+
+# --- hostile files (issue 29): bombs, huge files, malformed events, terminal escapes ------------------------
+
+_RSS = ("import resource, sys\nfrom hookprof.cli import main\nrc = main(sys.argv[2:])\n"
+        "open(sys.argv[1], 'w').write(str(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss))\nsys.exit(rc)\n")
+MARGIN_KIB = 96 << 10  # over a good input's peak (the process imports torch); the bombs below inflate to 1 GiB
+
+
+@pytest.fixture(scope="module")
+def peak_limit(run_dir):
+    """The peak resident memory (KiB) a refused hostile input may cost: a good timeline's, plus MARGIN_KIB."""
+    done, peak = hookprof_peak("summary", "runs/timeline-2.json", cwd=str(run_dir))
+    assert done.returncode == 0 and peak > 0, done.stderr
+    return peak + MARGIN_KIB
+
+
+def hookprof_peak(*args: str, cwd) -> tuple[subprocess.CompletedProcess, int]:
+    """The command run in a child that reports its peak resident memory (KiB) when it returns."""
+    rss = os.path.join(cwd, "rss.txt")
+    done = subprocess.run([sys.executable, "-c", _RSS, rss, *args], capture_output=True, text=True, cwd=cwd,
+                          timeout=300)
+    with open(rss) if os.path.exists(rss) else contextlib.nullcontext(None) as f:
+        return done, int(f.read()) if f else -1
+
+
+def _spaces(n: int, chunk: int = 1 << 20):
+    for _ in range(n // chunk):
+        yield b" " * chunk
+
+
+def test_a_gzip_bomb_timeline_is_refused_while_inflating(work, peak_limit):
+    with gzip.GzipFile(work / "bomb.json.gz", "wb", compresslevel=9) as f:
+        for block in _spaces(1 << 30):  # 1 GiB of JSON whitespace in ~1 MiB
+            f.write(block)
+    for command in ("summary", "profile"):
+        done, peak = hookprof_peak(command, "bomb.json.gz", cwd=work)
+        assert_fails_with(done, re.compile(rf"hookprof {command}: bomb\.json\.gz: refused: a decompression bomb "
+                                           r"\(inflates over 200:1; \d+ bytes gave \d+\)"))
+        assert 0 < peak < peak_limit, (peak, peak_limit)
+
+
+def test_a_profile_bomb_under_the_size_cap_is_refused_while_inflating(work, peak_limit):
+    from hookprof.profiler import serialize
+
+    size = 1 << 30  # declared honestly, under the 1 GiB cap: the ratio refuses it
+    deflate = zlib.compressobj(9)
+    with open(work / "bomb.prof", "wb") as f:
+        f.write(serialize.MAGIC + serialize._HEADER.pack(serialize.VERSION, size))
+        for block in _spaces(size):
+            f.write(deflate.compress(block))
+        f.write(deflate.flush())
+    assert os.path.getsize(work / "bomb.prof") < 2 << 20
+    done, peak = hookprof_peak("profile", "bomb.prof", cwd=work)
+    assert_fails_with(done, "hookprof profile: bomb.prof: the profile's data inflates over 200:1 (a "
+                            "decompression bomb; serialize.loads(max_ratio=) reads it anyway)")
+    assert 0 < peak < peak_limit, (peak, peak_limit)
+
+
+@pytest.mark.parametrize("name", ["huge.json", "huge.prof"])
+def test_a_huge_input_is_refused_before_it_is_read(work, peak_limit, name):
+    with open(work / name, "wb") as f:
+        f.truncate(2 << 30)  # sparse: 2 GiB to read, none on disk
+    done, peak = hookprof_peak("profile", name, cwd=work)
+    assert_fails_with(done, f"hookprof profile: {name}: refused: {2 << 30} bytes, over the limit of {512 << 20}")
+    assert 0 < peak < peak_limit, (peak, peak_limit)
+
+
+MALFORMED = {
+    "huge ts": (lambda e: e.update(ts=1e308), "'ts' is 1e+308, expected a finite number of microseconds"),
+    "string dur": (lambda e: e.update(dur="12"), "'dur' is a JSON string, expected a finite number of microseconds"),
+    "null name": (lambda e: e.update(name=None), "'name' is JSON null, expected a string"),
+}
+
+
+@pytest.mark.parametrize("case", list(MALFORMED))
+@pytest.mark.parametrize("command", ["summary", "profile"])
+def test_malformed_event_fields_are_one_line_naming_the_event(work, command, case):
+    change, problem = MALFORMED[case]
+    trace = load_trace(str(work / GOOD[0]))
+    i, event = next((i, e) for i, e in enumerate(trace["traceEvents"]) if e.get("ph") == "X" and e["cat"] == "Op")
+    name = event["name"]
+    change(event)
+    (work / "odd.json").write_bytes(orjson.dumps(trace))
+    shown = "" if case == "null name" else f" {name!r}"
+    done = hookprof(command, "odd.json", cwd=work)
+    assert_fails_with(done, re.compile(re.escape(f"hookprof {command}: odd.json: malformed timeline "
+                                                 f"(traceEvents[{i}]{shown}: {problem}") + r".*\)"))
+
+
+def test_a_null_thread_name_and_nan_are_one_line(work):
+    trace = load_trace(str(work / GOOD[0]))
+    i = next(i for i, e in enumerate(trace["traceEvents"]) if e.get("ph") == "M")
+    trace["traceEvents"][i]["args"]["name"] = None
+    (work / "odd.json").write_bytes(orjson.dumps(trace))
+    assert_fails_with(hookprof("profile", "odd.json", cwd=work), re.compile(
+        r"hookprof profile: odd\.json: malformed timeline \(traceEvents\[\d+\] '\w+': 'args\.name' is JSON null, "
+        r"expected a string\)"))
+    (work / "nan.json").write_text('{"traceEvents": [{"ph": "X", "ts": NaN, "name": "a"}]}')
+    assert_fails_with(hookprof("summary", "nan.json", cwd=work),
+                      re.compile(r"hookprof summary: nan\.json: not JSON \(.+\)"))
+
+
+def test_terminal_escapes_in_op_names_are_not_printed(work):
+    trace = load_trace(str(work / GOOD[0]))
+    evil = "\x1b[31mevil\x1b]0;pwned\x07\x9b2J"
+    for event in trace["traceEvents"]:
+        if event.get("ph") == "X" and event.get("cat") == "Op":
+            event["name"] = evil
+            event.setdefault("args", {}).update(op=evil, name=evil)
+    (work / "evil.json").write_bytes(orjson.dumps(trace))
+    done = hookprof("profile", "--view", "op", "evil.json", cwd=work)
+    assert done.returncode == 0, done.stderr
+    assert "?[31mevil?]0;pwned??2J" in done.stdout
+    assert not re.search("[\x00-\x08\x0b-\x1f\x7f-\x9f]", done.stdout + done.stderr)

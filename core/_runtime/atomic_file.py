@@ -24,7 +24,8 @@ class FileLayer:
     """The file operations the writers use: open a new temp file for writing, rename it into place."""
 
     def open_temp(self, path: str) -> BinaryIO:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        # O_EXCL refuses any existing name, O_NOFOLLOW says so even where O_EXCL is not honoured (NFSv2)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o666)
         return os.fdopen(fd, "wb")
 
     def replace(self, source: str, target: str) -> None:

@@ -12,6 +12,8 @@ import contextlib
 import logging
 import os
 import re
+import shutil
+import tempfile
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -61,11 +63,12 @@ class CheckpointSaverHook(PeriodicHook):
     step was not saved yet. Each save is named `<checkpoint_dir>/<checkpoint_basename>-<global step>` (the
     saver adds its file extension), logs "Saving checkpoints for <step> into <checkpoint_dir>/<basename>.", is
     surrounded by the listeners' `before_save` / `after_save`, and is recorded in `<checkpoint_dir>/checkpoint`
-    (TF's state file: `latest_checkpoint(checkpoint_dir)` reads it). A save that fails writing (an OSError: a
-    full disk) never ends training: it is counted in `dropped_outputs` and warned about once per reason. A saver
-    that cannot save at all (a model its framework cannot serialise) raises, as TF's did, at the first save,
-    before training starts. Every checkpoint is kept (TF's Saver kept 5 by default): prune the directory
-    yourself in long runs.
+    (TF's state file: `latest_checkpoint(checkpoint_dir)` reads it). A save that fails, whatever the saver
+    raises (an OSError, `torch.save`'s RuntimeError on a full disk, a model its framework cannot serialise),
+    never ends training: it is counted in `failed_saves` and `dropped_outputs` and warned about once per reason,
+    naming the checkpoint, the error and, when the checkpoint directory has room, the full directory the saver
+    wrote to (TMPDIR); `strict=True` raises it instead (TF's rule). Every checkpoint is kept (TF's Saver kept 5
+    by default): prune the directory yourself in long runs.
 
     A resumed run keeps the schedule: a Lightning checkpoint carries it; elsewhere a step schedule continues
     from the last multiple of `save_steps` (see `PeriodicHook`).
@@ -82,6 +85,7 @@ class CheckpointSaverHook(PeriodicHook):
         scaffold: an object whose `saver` attribute is used as `saver` (TF's Scaffold). Not with `saver`.
         listeners: `CheckpointSaverListener`s called around every save.
         clock: the seconds clock of the schedule (default: `time.time()`, read at each call); for tests.
+        strict: raise a failed save's error out of the callback (ending training) instead of warning.
     """
 
     def __init__(
@@ -94,6 +98,7 @@ class CheckpointSaverHook(PeriodicHook):
         scaffold: Any = None,
         listeners: Sequence[CheckpointSaverListener] | None = None,
         clock: Callable[[], float] | None = None,
+        strict: bool = False,
     ) -> None:
         owner = type(self).__name__
         log.info("Create CheckpointSaverHook.")
@@ -102,6 +107,9 @@ class CheckpointSaverHook(PeriodicHook):
         check_exactly_one(save_secs, save_steps)  # TF's messages
         if checkpoint_dir is None:
             raise TypeError(f"`{owner}(checkpoint_dir=None)`: `checkpoint_dir` must be a path (str or os.PathLike).")
+        # checked here, so that an error names this hook's argument (PeriodicHook's would say `output_dir`)
+        checkpoint_dir = arguments.expand_dir(owner, "checkpoint_dir", checkpoint_dir)
+        self.strict = arguments.check_bool(owner, "strict", strict)
         super().__init__(save_steps, save_secs, checkpoint_dir, clock)
         if saver is not None and not (callable(saver) or callable(getattr(saver, "save", None))):
             raise TypeError(f"`{owner}(saver={saver!r})`: `saver` must have TF's `save(session, save_path, "
@@ -127,6 +135,7 @@ class CheckpointSaverHook(PeriodicHook):
         self._default_saver: Callable[[Any], SaveFunction] | None = None
         self._save_fn: Callable[[Any, int], str | None] | None = None
         self._saved: list[str] = []  # the files of this directory's checkpoint state, oldest first
+        self.failed_saves = 0  # saves that raised (also counted in `dropped_outputs`)
 
     # --- where checkpoints go and how they are written -------------------------------------------------------
 
@@ -223,12 +232,17 @@ class CheckpointSaverHook(PeriodicHook):
             save = self._save_fn = self._get_saver(session)
         try:
             path = save(session, step)
-        except OSError as err:  # a full disk must not end the training run; a saver that cannot save (a model
-            # Keras cannot serialise, a bug) raises, as TF's did: at the first save, before training starts
+        except Exception as err:  # noqa: BLE001 - any saver's failure (a full disk is torch.save's RuntimeError)
+            if self.strict:
+                raise
+            self.failed_saves += 1
             count_dropped(self)
-            reason = err.strerror or str(err)
-            self._warn_once(f"save:{reason}", "Could not save the checkpoint for step %d into %s (%s); training "
-                            "goes on without it.", step, self.save_path, reason)
+            target = f"{self.save_path}-{step}"
+            reason = _reason(err)
+            cause = _full_disk_cause(err, self.checkpoint_dir)
+            self._warn_once(f"save:{type(err).__name__}:{reason}", "Could not save the checkpoint for step %d "
+                            "(%s) into %s: %s%s; training goes on without it (strict=True raises instead).",
+                            step, target, self.checkpoint_dir, reason, cause)
             return False
         if path:
             self._record(os.fspath(path))
@@ -253,6 +267,43 @@ class CheckpointSaverHook(PeriodicHook):
             count_dropped(self)
             self._warn_once(f"state:{err.strerror}", "Could not write %s (%s); the checkpoints are saved but "
                             "latest_checkpoint() may not name the newest.", state, err.strerror or err)
+
+
+def _reason(err: BaseException) -> str:
+    """An error in a few words: an OSError's strerror, else `Type: message` (first line)."""
+    if isinstance(err, OSError) and err.strerror:
+        where = f" ({err.filename})" if err.filename else ""
+        return f"{err.strerror}{where}"
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0]}" if text else type(err).__name__
+
+
+_ROOM = 1 << 20  # a filesystem with less free space than this is called full
+
+
+def _free(directory: str) -> int | None:
+    with contextlib.suppress(OSError):
+        return shutil.disk_usage(directory).free
+    return None
+
+
+def _full_disk_cause(err: BaseException, checkpoint_dir: str) -> str:
+    """Which full filesystem a failed save met, if any (savers do not all say ENOSPC: `torch.save` raises a
+    RuntimeError, "iostream error"): the checkpoint directory's, or, when that one has room, the one the error
+    names or TMPDIR (a saver's temporary files, Keras' assets or a user's `tempfile`, go there)."""
+    here = _free(checkpoint_dir)
+    if here is not None and here < _ROOM:
+        return f" ({checkpoint_dir} is full)"
+    filename = getattr(err, "filename", None)
+    if isinstance(filename, str) and not os.path.abspath(filename).startswith(checkpoint_dir + os.sep):
+        room = _free(os.path.dirname(os.path.abspath(filename)))
+        if room is not None and room < _ROOM:
+            return f" (the checkpoint directory has room; {filename}, where the saver wrote, is on a full disk)"
+    temp = tempfile.gettempdir()
+    room = _free(temp)
+    if room is not None and room < _ROOM:
+        return f" (the checkpoint directory has room; the temporary directory {temp} (TMPDIR) is full)"
+    return ""
 
 
 def _global_step(session: Any) -> int:

@@ -13,7 +13,8 @@ The 9 figures per step are: run count, micros, cpu micros, accelerator micros, r
 residual bytes, output bytes, float ops. A node's `memory_device` and a step's `allocated` (per device, the
 bytes in use at its end) came after the first files of version 1, which load without them. Loading checks the
 magic, the version, the declared size against a limit before inflating anything (and inflates no more than
-declared), and every field's type; no pickle, so a hostile file can at worst be refused.
+declared, a MiB at a time, refusing data that inflates faster than 200:1 as it goes), and every field's type;
+no pickle, so a hostile file can at worst be refused.
 """
 
 from __future__ import annotations
@@ -29,7 +30,36 @@ from hookprof.profiler.profile_data import N_FIGURES, NodeData, ProfileData, Ste
 MAGIC = b"HOOKPROF-PROFILE"
 VERSION = 1
 DEFAULT_MAX_BYTES = 1 << 30  # 1 GiB of uncompressed profile
+DEFAULT_MAX_RATIO = 200  # zlib'd JSON inflates ~10:1; a bomb of zeros ~1000:1 ...
+_RATIO_FREE = 16 << 20  # ... checked once past this much output
+_CHUNK = 1 << 20
 _HEADER = struct.Struct("<IQ")
+
+
+def _inflate(data: memoryview, size: int, max_ratio: float) -> bytes:
+    """At most `size` + 1 bytes of the zlib stream `data`, a MiB at a time, refused as soon as the output
+    outgrows `max_ratio` times the input consumed (past the first 16 MiB): a declared size under the cap
+    whose data is a bomb costs a few MiB, not the declared size, before it is refused."""
+    inflater, out, total, fed = zlib.decompressobj(), [], 0, 0
+    pending = b""
+    try:
+        while total <= size and not inflater.eof:
+            if not pending:
+                if fed >= len(data):
+                    break
+                pending, fed = data[fed:fed + _CHUNK], min(len(data), fed + _CHUNK)
+            chunk = inflater.decompress(pending, min(_CHUNK, size + 1 - total))
+            pending = inflater.unconsumed_tail
+            total += len(chunk)
+            out.append(chunk)
+            if total > _RATIO_FREE and total > max_ratio * (fed - len(pending)):
+                raise ProfileFormatError(f"the profile's data inflates over {max_ratio:g}:1 (a decompression "
+                                         "bomb; serialize.loads(max_ratio=) reads it anyway).")
+    except zlib.error as err:
+        raise ProfileFormatError(f"the profile's data is corrupt ({err}).") from None
+    if not inflater.eof:
+        raise ProfileFormatError("the profile is truncated or its size does not match its header.")
+    return b"".join(out)
 
 
 class ProfileFormatError(ValueError):
@@ -56,7 +86,7 @@ def dumps(data: ProfileData) -> bytes:
     return MAGIC + _HEADER.pack(VERSION, len(payload)) + zlib.compress(payload, 6)
 
 
-def loads(blob: bytes, max_bytes: int = DEFAULT_MAX_BYTES) -> ProfileData:
+def loads(blob: bytes, max_bytes: int = DEFAULT_MAX_BYTES, max_ratio: float = DEFAULT_MAX_RATIO) -> ProfileData:
     if not isinstance(blob, (bytes, bytearray, memoryview)):
         raise TypeError(f"a serialized profile is bytes, got {type(blob).__name__}.")
     blob = bytes(blob)
@@ -71,12 +101,8 @@ def loads(blob: bytes, max_bytes: int = DEFAULT_MAX_BYTES) -> ProfileData:
     if size > max_bytes:
         raise ProfileFormatError(f"the profile declares {size} bytes of data, over the limit of {max_bytes}; "
                                  "pass max_bytes= to read it anyway.")
-    inflater = zlib.decompressobj()
-    try:
-        payload = inflater.decompress(blob[len(MAGIC) + _HEADER.size:], size + 1)
-    except zlib.error as err:
-        raise ProfileFormatError(f"the profile's data is corrupt ({err}).") from None
-    if len(payload) != size or not inflater.eof:
+    payload = _inflate(memoryview(blob)[len(MAGIC) + _HEADER.size:], size, max_ratio)
+    if len(payload) != size:
         raise ProfileFormatError("the profile is truncated or its size does not match its header.")
     try:
         doc = orjson.loads(payload)

@@ -83,6 +83,9 @@ def tf_record(data: bytes) -> bytes:
     return b"".join((header, struct.pack("<I", crc(header)), data, struct.pack("<I", crc(data))))
 
 
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)  # (not on Windows, where planting a symlink needs privileges)
+
+
 class EventWriter:
     """Appends `Event` protos to an event file of its own in `logdir`, created at the first event.
 
@@ -108,7 +111,9 @@ class EventWriter:
             try:
                 if self.path is not None:
                     try:
-                        f = os.fdopen(os.open(self.path, os.O_WRONLY | os.O_APPEND), "ab")
+                        # never through a symlink planted in place of our file (ELOOP: a failed write,
+                        # the next event starts a new file)
+                        f = os.fdopen(os.open(self.path, os.O_WRONLY | os.O_APPEND | _NOFOLLOW), "ab")
                     except FileNotFoundError:  # removed: appending to a new file of the same name would
                         self.path = None  # mix two runs of records for a reader that had read the old one
                 if f is None:
@@ -137,7 +142,7 @@ class EventWriter:
         name = f"events.out.tfevents.{stamp:010d}.{socket.gethostname()}.{os.getpid()}.{next(_file_ids)}" \
                f"{self.filename_suffix}"
         path = os.path.join(self.logdir, name)
-        f = open(path, "xb")
+        f = os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o666), "wb")
         self.path, self._events_in_file = path, 0
         try:
             f.write(tf_record(Event(wall_time=time.time(), file_version="brain.Event:2").SerializeToString()))

@@ -7,7 +7,8 @@ objects come back as allocations with their producers and the allocator counter 
 
 from __future__ import annotations
 
-import gzip
+import contextlib
+import math
 import os
 import zlib
 
@@ -53,32 +54,89 @@ def _json_kind(value: object) -> str:
     return "a JSON number"
 
 
+MAX_BYTES = 512 << 20  # the most a timeline may hold (uncompressed): hookprof's own are far smaller
+MAX_RATIO = 200  # the most a .gz timeline may inflate per byte (JSON gzips ~10:1; a bomb ~1000:1) ...
+_RATIO_FREE = 16 << 20  # ... once past this much output
+_CHUNK = 1 << 20
+MAX_MICROS = 1e17  # a timestamp or duration beyond this (3,000 years in microseconds; epoch times are ~1.8e15)
+
+
+class InputTooLarge(ValueError):
+    """An input refused while reading it: larger than the cap, or inflating faster than MAX_RATIO."""
+
+
+def read_bounded(f, path: str, max_bytes: int = MAX_BYTES) -> bytes:
+    """All of an open binary file, refused (`InputTooLarge`, naming the size) past `max_bytes`: a huge or sparse
+    file costs no memory before it is refused."""
+    size = 0
+    with contextlib.suppress(OSError, AttributeError, ValueError):  # (a stream without a file: read it)
+        size = os.fstat(f.fileno()).st_size
+    if size > max_bytes:
+        raise InputTooLarge(f"{size} bytes, over the limit of {max_bytes}")
+    data = f.read(max_bytes + 1)
+    if len(data) > max_bytes:
+        raise InputTooLarge(f"over {max_bytes} bytes, the limit")
+    return data
+
+
+def inflate_bounded(f, max_bytes: int = MAX_BYTES, max_ratio: float = MAX_RATIO) -> bytes:
+    """The decompressed bytes of the gzip stream in the open file `f`, checked while inflating: at most
+    `max_bytes`, and past the first 16 MiB at most `max_ratio` bytes out per byte in (a decompression bomb is
+    refused after a few MiB of output, not after all of it)."""
+    inflater, out, total, read_in = zlib.decompressobj(16 + zlib.MAX_WBITS), [], 0, 0
+    pending = b""
+    while True:
+        if not pending:
+            if inflater.eof:
+                rest = inflater.unused_data.lstrip(b"\0")
+                if not rest:  # (gzip allows members one after another; hookprof writes one)
+                    break
+                inflater, pending = zlib.decompressobj(16 + zlib.MAX_WBITS), rest
+                continue
+            pending = f.read(_CHUNK)
+            read_in += len(pending)
+            if not pending:
+                raise EOFError
+        chunk = inflater.decompress(pending, _CHUNK)
+        pending = inflater.unconsumed_tail
+        total += len(chunk)
+        out.append(chunk)
+        if total > max_bytes:
+            raise InputTooLarge(f"inflates to over {max_bytes} bytes, the limit")
+        if total > _RATIO_FREE and total > max_ratio * read_in:
+            raise InputTooLarge(f"a decompression bomb (inflates over {max_ratio:g}:1; {read_in} bytes gave "
+                                f"{total})")
+    return b"".join(out)
+
+
 def load_trace(path: str) -> dict:
     """Parse a `.json` or `.json.gz` timeline: a JSON object whose `traceEvents` is a list of objects.
 
     Raises `TimelineError` (a ValueError whose message names the path and the problem) for a missing or
-    unreadable file, a directory, a truncated or corrupt gzip file, bytes that are not JSON, and JSON that is
-    not a timeline.
+    unreadable file, a directory, a truncated or corrupt gzip file, bytes that are not JSON, JSON that is
+    not a timeline, an event whose fields have the wrong types (`ts` not a finite number, a null name), and
+    a file over `MAX_BYTES` or a gzip file inflating faster than `MAX_RATIO` (refused while reading it).
     """
     path = os.fspath(path)
     gzipped = path.endswith(".gz")
     try:
-        with (gzip.open if gzipped else open)(path, "rb") as f:
-            data = f.read()
+        with open(path, "rb") as f:
+            data = inflate_bounded(f) if gzipped else read_bounded(f, path)
+    except InputTooLarge as err:
+        raise TimelineError(path, f"refused: {err}") from None
     except EOFError:
         raise TimelineError(path, "truncated gzip file") from None
-    except gzip.BadGzipFile as err:
-        problem = "not a gzip file (its name ends in .gz)" if str(err).startswith("Not a gzipped file") \
+    except zlib.error as err:
+        problem = "not a gzip file (its name ends in .gz)" if "incorrect header check" in str(err) \
             else f"corrupt gzip file ({err})"
         raise TimelineError(path, problem) from None
-    except zlib.error as err:
-        raise TimelineError(path, f"corrupt gzip file ({err})") from None
     except OSError as err:
         raise TimelineError(path, os_problem(err)) from None
     try:
         trace = orjson.loads(data)
     except orjson.JSONDecodeError as err:
         raise TimelineError(path, "empty file" if not data.strip() else f"not JSON ({err})") from None
+    del data
     if not isinstance(trace, dict):
         raise TimelineError(path, f"not a timeline ({_json_kind(trace)}, expected an object with traceEvents)")
     events = trace.get("traceEvents")
@@ -86,10 +144,47 @@ def load_trace(path: str) -> dict:
         problem = "a JSON object without a traceEvents list" if events is None \
             else f"its traceEvents is {_json_kind(events)}, expected a list"
         raise TimelineError(path, f"not a timeline ({problem})")
-    if not all(isinstance(event, dict) for event in events):
-        i, event = next((i, e) for i, e in enumerate(events) if not isinstance(e, dict))
-        raise TimelineError(path, f"not a timeline (traceEvents[{i}] is {_json_kind(event)}, expected an object)")
+    for i, event in enumerate(events):
+        if not isinstance(event, dict):
+            raise TimelineError(path, f"not a timeline (traceEvents[{i}] is {_json_kind(event)}, expected an object)")
+        problem = _event_problem(event)
+        if problem:
+            raise TimelineError(path, f"malformed timeline (traceEvents[{i}]{_event_name(event)}: {problem})")
     return trace
+
+
+def _event_name(event: object) -> str:
+    name = event.get("name") if isinstance(event, dict) else None
+    return f" {name[:60]!r}" if isinstance(name, str) else ""
+
+
+def _finite(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) \
+        and abs(value) <= MAX_MICROS
+
+
+def _event_problem(event: dict) -> str | None:
+    """What is wrong with one trace event's fields, or None: the types every reader of timelines relies on."""
+    for key in ("ts", "dur"):
+        if key in event and not _finite(event[key]):
+            return f"{key!r} is {_json_kind(event[key]) if not isinstance(event[key], float) else event[key]}, " \
+                   f"expected a finite number of microseconds (at most {MAX_MICROS:g})"
+    for key in ("name", "cat", "ph"):
+        if key in event and not isinstance(event[key], str):
+            return f"{key!r} is {_json_kind(event[key])}, expected a string"
+    for key in ("pid", "tid", "id"):
+        if key in event and (isinstance(event[key], bool) or not isinstance(event[key], (int, str))):
+            return f"{key!r} is {_json_kind(event[key])}, expected an int or a string"
+    if "args" in event:
+        args = event["args"]
+        if not isinstance(args, dict):
+            return f"'args' is {_json_kind(args)}, expected an object"
+        if event.get("ph") == "M" and "name" in args and not isinstance(args["name"], str):
+            return f"'args.name' is {_json_kind(args['name'])}, expected a string"
+        for key, value in args.items():
+            if isinstance(value, float) and not math.isfinite(value):
+                return f"'args.{key[:40]}' is {value}, expected a finite number"
+    return None
 
 
 def read_timeline(path: str) -> StepStats:
