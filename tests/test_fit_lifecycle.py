@@ -48,12 +48,22 @@ def leftovers() -> list[str]:
 
 
 def _children() -> list[int]:
+    """This process's child processes that run hookprof code (others, a framework's or an earlier test's, are
+    not hookprof's to stop)."""
     pid = os.getpid()
     children = []
     for task in os.listdir(f"/proc/{pid}/task"):
         with open(f"/proc/{pid}/task/{task}/children") as f:
             children += [int(c) for c in f.read().split()]
-    return children
+    ours = []
+    for child in children:
+        try:
+            with open(f"/proc/{child}/cmdline", "rb") as f:
+                if b"hookprof" in f.read():
+                    ours.append(child)
+        except OSError:  # (gone meanwhile)
+            pass
+    return ours
 
 
 class RaiseIn(L.Callback):
