@@ -55,10 +55,22 @@ class KerasSession(Session):
         iterations = getattr(optimizer, "iterations", None)
         self._first_step = 0 if iterations is None else int(keras.ops.convert_to_numpy(iterations))
         self.steps_done = 0
+        # Keras (JAX, TensorFlow) runs `steps_per_execution` batches per train-function call, with one batch
+        # callback for them: the global step (the optimizer's) then advances by that much per hookprof step
+        per_call = getattr(model, "steps_per_execution", 1)
+        self.steps_per_run = per_call if isinstance(per_call, int) and per_call > 1 else 1
 
     @property
     def global_step(self) -> int:
         return self._first_step + self.steps_done
+
+    def step_ended(self, first_batch: int | None, last_batch: int) -> None:
+        """A train-function call ran batches `first_batch` .. `last_batch` of the epoch (Keras 3.8+ names both;
+        older Keras names the first twice: then it ran `steps_per_run`, the last call of an epoch maybe fewer).
+        The optimizer's count is not read: on JAX it lives outside the model during the fit."""
+        ran = last_batch - first_batch + 1 if first_batch is not None and last_batch > first_batch else \
+            self.steps_per_run
+        self.steps_done += ran
 
 
 class _TrainStepWatch:
@@ -235,6 +247,7 @@ class HookCallback(keras.callbacks.Callback):
         self._driver: HookedSession | None = None  # set on the member that drives the fit
         self._session: KerasSession | None = None
         self._follows = False  # another member drives this fit's hooks, ours included
+        self._first_batch: int | None = None  # the batch the running train-function call began with
 
     @property
     def hooks(self) -> list[SessionRunHook]:
@@ -254,6 +267,7 @@ class HookCallback(keras.callbacks.Callback):
     def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
         if self._follows:
             return
+        self._first_batch = batch
         try:
             driver = self._driver or self._fit.start(self)
             session = self._session
@@ -267,7 +281,7 @@ class HookCallback(keras.callbacks.Callback):
         if self._follows:
             return
         session = self._session
-        session.steps_done += 1
+        session.step_ended(self._first_batch, batch)
         watch = self._fit.watch
         try:
             stop = self._driver.after_run(lambda: _finished_step(session, logs, watch.batch if watch else None, batch))

@@ -291,8 +291,12 @@ class HookCallback(Callback):
 
     def _close(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                batch_idx: int, step: int) -> None:
-        self._open_at = None
         session = self._session
+        if self._open_at is not None and step > self._open_at:
+            # what one step advances `trainer.global_step` by (2 for a manual step of two optimizers): the
+            # schedules judge the next step by it (TF's steps_per_run)
+            session.steps_per_run = step - self._open_at
+        self._open_at = None
         stop = self._driver.after_run(
             lambda: StepState(step, _outputs(outputs), batch, batch_idx, pl_module, trainer.callback_metrics, session)
         )

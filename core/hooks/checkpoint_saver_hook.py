@@ -197,7 +197,7 @@ class CheckpointSaverHook(PeriodicHook):
             self._save(session, step)  # (TF ignores a listener's stop request here)
 
     def quiet_on(self, global_step: int) -> bool:
-        return not self._timer.should_trigger_for_step(global_step + 1)
+        return not self._timer.should_trigger_for_step(global_step + self._run_steps())
 
     def after_run(self, run_context, run_values) -> None:
         session = run_context.session

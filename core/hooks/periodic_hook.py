@@ -10,6 +10,7 @@ from typing import Any
 
 from hookprof._runtime import arguments
 from hookprof._runtime.warn_once import WarnOnce
+from hookprof.hooks.session import steps_per_run
 from hookprof.hooks.session_run_hook import SessionRunHook
 from hookprof.hooks.timer import NeverTriggerTimer, SecondOrStepTimer
 
@@ -39,6 +40,11 @@ class PeriodicHook(SessionRunHook):
         self._events_dir: str | None = None
         self.dropped_outputs = 0
         self._warn_once = WarnOnce(logging.getLogger(type(self).__module__))
+        self._session: Any = None  # the fit's session (its steps_per_run)
+
+    def _run_steps(self) -> int:
+        """How many global steps the coming step advances (TF's steps_per_run; see `Session.steps_per_run`)."""
+        return steps_per_run(self._session)
 
     def set_default_output_dir(self, path: str | os.PathLike) -> None:
         """Where files go when the user gave no `output_dir` (the adapters call this before each fit's `begin`,
@@ -51,6 +57,7 @@ class PeriodicHook(SessionRunHook):
             self._timer.reset()
 
     def after_create_session(self, session: Any, coord: Any) -> None:
+        self._session = session
         step = getattr(session, "global_step", 0) or 0
         if not self._restored and self.save_steps and step > 0 and self._timer.last_triggered_step() is None:
             # Resumed without a saved schedule (a Keras checkpoint holds the optimizer's step, not callbacks):

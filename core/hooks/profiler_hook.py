@@ -202,7 +202,7 @@ class ProfilerHook(PeriodicHook):
         """Whether the step starting at `global_step` is one to trace (never the first: see after_run)."""
         timer = self._timer
         return (self._writes_here and timer.last_triggered_step() is not None
-                and timer.should_trigger_for_step(global_step + 1))
+                and timer.should_trigger_for_step(global_step + self._run_steps()))
 
     def before_run(self, run_context) -> SessionRunArgs | None:
         self._periodic = self._traces_step(run_context.session.global_step)
@@ -219,18 +219,19 @@ class ProfilerHook(PeriodicHook):
     def quiet_on(self, global_step: int) -> bool:
         timer = self._timer  # (_traces_step spelled out: this runs on every step the hook does not trace)
         return not self.watch.watching and timer.last_triggered_step() is not None and not (
-            self._writes_here and timer.should_trigger_for_step(global_step + 1))
+            self._writes_here and timer.should_trigger_for_step(global_step + self._run_steps()))
 
     def after_run(self, run_context, run_values) -> None:
         timer = self._timer
         session = run_context.session
         step = session.global_step
         if self._run_start is None:
-            self._run_start = (step - 1, time.monotonic())
+            self._run_start = (step - self._run_steps(), time.monotonic())
         self.watch.step_ended(step, run_values.results, self._capturing, self._writes_here, self.output_dir)
         if timer.last_triggered_step() is None and not self._wanted:
             # TF 1.14+: the first step starts the count; the first timeline comes N steps or seconds later.
-            timer.update_last_triggered_step(step - 1)  # (a NeverTriggerTimer, with triggers alone, ignores it)
+            # (the step before this run's first; a NeverTriggerTimer, with triggers alone, ignores it)
+            timer.update_last_triggered_step(step - self._run_steps())
         elif self._wanted:
             if self._periodic:
                 timer.update_last_triggered_step(step)

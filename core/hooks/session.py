@@ -18,6 +18,10 @@ class Session:
 
     framework = "unknown"
     distributed_backend: str | None = None  # e.g. "gloo" or "nccl" when training is distributed
+    # How many global steps one step (one before_run/after_run) advances, TF's `steps_per_run`: Keras'
+    # `steps_per_execution`; 2 for a Lightning step that runs two optimizers. Schedules judge the step a run
+    # will reach as `global_step + steps_per_run`; the adapters set it.
+    steps_per_run = 1
 
     def __init__(self, model: Any = None, rank: int = 0, world_size: int = 1) -> None:
         self.model = model
@@ -130,3 +134,9 @@ def evaluate_fetches(fetches: Any, state: StepState) -> Any:
         f"A fetch must be a name (str), a callable of the step state, or a dict/list/tuple of those; "
         f"got {type(fetches).__name__}."
     )
+
+
+def steps_per_run(session: Any) -> int:
+    """The global steps a step of `session` advances (1 for a session that does not say)."""
+    steps = getattr(session, "steps_per_run", 1)
+    return steps if isinstance(steps, int) and steps > 0 else 1

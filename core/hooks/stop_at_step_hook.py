@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from hookprof._runtime import arguments
+from hookprof.hooks.session import steps_per_run
 from hookprof.hooks.session_run_hook import SessionRunArgs, SessionRunHook
 
 
@@ -41,6 +42,7 @@ class StopAtStepHook(SessionRunHook):
         self.last_step = None if last_step is None else arguments.check_int(owner, "last_step", last_step, 0)
         self._last_step: int | None = self.last_step  # the step to stop at; with num_steps, set per fit
         self._stale_step: int | None = None  # the global step when the running step began
+        self._session: Any = None
 
     @property
     def stop_at_step(self) -> int | None:
@@ -52,13 +54,15 @@ class StopAtStepHook(SessionRunHook):
         self._stale_step = None
 
     def after_create_session(self, session: Any, coord: Any) -> None:
+        self._session = session
         if self._last_step is None:
             self._last_step = session.global_step + self.num_steps
 
     def quiet_on(self, global_step: int) -> bool:
-        # TF's after_run looks at the real global step only when the stale one plus one reaches the last step
+        # TF's after_run looks at the real global step only when the stale one plus the steps a run advances
+        # (TF's steps_per_run: Keras' steps_per_execution) reaches the last step
         last = self._last_step
-        return last is not None and global_step + 1 < last
+        return last is not None and global_step + steps_per_run(self._session) < last
 
     def before_run(self, run_context) -> SessionRunArgs | None:
         # TF fetched the global step's read tensor (its value before the step); the session has it now
@@ -69,7 +73,7 @@ class StopAtStepHook(SessionRunHook):
         last = self._last_step
         if last is None or self._stale_step is None:
             return
-        if self._stale_step + 1 >= last:
+        if self._stale_step + steps_per_run(run_context.session) >= last:
             # the step may or may not have advanced the global step: check the latest value, as TF does
             if run_context.session.global_step >= last:
                 run_context.request_stop()

@@ -101,7 +101,7 @@ class SummarySaverHook(PeriodicHook):
     def quiet_on(self, global_step: int) -> bool:
         timer = self._timer
         return not (self._sink is not None and self._writes_here and (
-            timer.last_triggered_step() is None or timer.should_trigger_for_step(global_step + 1)))
+            timer.last_triggered_step() is None or timer.should_trigger_for_step(global_step + self._run_steps())))
 
     def before_run(self, run_context) -> SessionRunArgs | None:
         self._request = not self.quiet_on(run_context.session.global_step)

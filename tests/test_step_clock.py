@@ -1,0 +1,93 @@
+"""The step clock is the optimizer's: schedules and stops follow the global step whatever one step advances it
+by (Keras' `steps_per_execution`, two optimizers in one Lightning step), as TF's `steps_per_run` did."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import lightning as L
+import torch
+
+from lightning_prof import ProfilerHook
+from tests.conftest import timeline_steps
+from tests.lightning_models import loader, trainer
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+JAX_SCRIPT = textwrap.dedent("""
+    import json, os, sys
+    import numpy as np
+    import keras
+    from keras_prof import ProfilerHook, StopAtStepHook
+    out = sys.argv[1]
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((96, 8)).astype("float32"), rng.standard_normal((96, 1)).astype("float32")
+
+    def model():
+        keras.utils.set_random_seed(0)
+        m = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(1)])
+        m.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", steps_per_execution=4)
+        return m
+
+    traced = model()  # 12 batches an epoch, 3 train-function calls of 4 steps; 24 steps in 2 epochs
+    hook = ProfilerHook(save_steps=8, output_dir=os.path.join(out, "prof"))
+    traced.fit(x, y, batch_size=8, epochs=2, callbacks=[hook], verbose=0)
+    stopped = model()
+    stopped.fit(x, y, batch_size=8, epochs=4, callbacks=[StopAtStepHook(last_step=12)], verbose=0)
+    json.dump({"backend": keras.backend.backend(), "traced_steps": int(traced.optimizer.iterations),
+               "paths": [os.path.basename(p) for p in hook.saved_paths],
+               "stopped_at": int(stopped.optimizer.iterations)}, open(os.path.join(out, "result.json"), "w"))
+""")
+
+
+def test_keras_steps_per_execution_traces_and_stops_on_the_optimizers_steps(tmp_path):
+    """Keras on JAX runs `steps_per_execution` batches per train-function call (the torch backend refuses more
+    than 1): the global step advances 4 a call, and the schedule and the stop follow it."""
+    script = tmp_path / "fit.py"
+    script.write_text(JAX_SCRIPT)
+    env = {**os.environ, "KERAS_BACKEND": "jax", "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO}
+    done = subprocess.run([sys.executable, str(script), str(tmp_path)], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["backend"] == "jax" and result["traced_steps"] == 24
+    assert result["paths"] == ["timeline-8.json", "timeline-16.json", "timeline-24.json"]
+    assert result["stopped_at"] == 12
+
+
+class TwoOptimizers(L.LightningModule):
+    """Manual optimization: a generator and a critic, each stepped once a batch (global step +2 a batch)."""
+
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+        self.g, self.c = torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)
+
+    def training_step(self, batch, batch_idx):
+        x, _ = batch
+        opt_g, opt_c = self.optimizers()
+        loss_c = self.c(self.g(x).detach()).pow(2).mean()
+        opt_c.zero_grad()
+        self.manual_backward(loss_c)
+        opt_c.step()
+        loss_g = -self.c(self.g(x)).mean()
+        opt_g.zero_grad()
+        self.manual_backward(loss_g)
+        opt_g.step()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.g.parameters(), lr=0.01), torch.optim.SGD(self.c.parameters(), lr=0.01)
+
+
+def test_lightning_two_optimizers_trace_the_steps_of_the_schedule(tmp_dir):
+    hook = ProfilerHook(save_steps=4, output_dir=tmp_dir, tensorboard=False)
+    fit = trainer(tmp_dir, [hook], 20, logger=False)
+    fit.fit(TwoOptimizers(), loader())  # 8 batches an epoch, +2 a batch: 10 batches
+    assert fit.global_step == 20
+    assert timeline_steps(tmp_dir) == [4, 8, 12, 16, 20]
+    assert [os.path.basename(p) for p in hook.saved_paths] == [f"timeline-{s}.json" for s in (4, 8, 12, 16, 20)]
