@@ -121,15 +121,15 @@ class KillingHook(profiler_hook.ProfilerHook):
         super().__init__(**kwargs)
         pipeline = self.pipeline
         pipeline.kill_at = step
-        send = worker._send
+        send = worker._send_within
 
-        def send_then_kill(out, data):
-            send(out, data)
+        def send_then_kill(fd, data, peer, deadline):
+            send(fd, data, peer, deadline)
             if pipeline.armed:
                 pipeline.armed = False
                 threading.Timer(0.05, os.kill, (worker.WORKER._process.pid, signal.SIGKILL)).start()
 
-        monkeypatch.setattr(worker, "_send", send_then_kill)
+        monkeypatch.setattr(worker, "_send_within", send_then_kill)
 
 
 class WideModel(TinyModel):
@@ -347,6 +347,23 @@ def test_a_step_the_worker_cannot_take_costs_its_timeline_only(tmp_path, monkeyp
     assert hook.dropped_outputs == 1
     (warning,) = [r.getMessage() for r in caplog.records if "render worker" in r.getMessage()]
     assert "timeline-4.json" in warning
+
+
+def test_a_stopped_worker_whose_pipe_fills_is_stopped_at_the_calls_timeout():
+    """A worker stopped with SIGSTOP reads nothing: a request larger than the pipe's buffer (a traced step's
+    export is megabytes) fills it, and the call's write must give up at the timeout too, not wait for ever
+    (it did: the training thread then waited for the render thread for good)."""
+    own = worker.Worker()
+    try:
+        stopped = own.call(worker_probe.pid)
+        os.kill(stopped, signal.SIGSTOP)
+        start = time.monotonic()
+        with pytest.raises(worker.WorkerFailed, match=r"took more than 1 s and was stopped"):
+            own.call(len, b"x" * (8 << 20), timeout=1.0)  # 8 MiB: far over a pipe's 64 KiB
+        assert time.monotonic() - start < 5
+        assert own.call(worker_probe.pid, timeout=30) not in (stopped, None)  # a new worker answers
+    finally:
+        own.stop()
 
 
 def test_a_worker_that_stops_answering_is_stopped_and_costs_that_call_only():

@@ -84,7 +84,7 @@ class Worker:
             reply = None
             deadline = None if timeout is None else time.monotonic() + timeout
             try:
-                _send(process.stdin, request)
+                _send_within(process.stdin.fileno(), request, process, deadline)
                 reply = _receive(process.stdout.fileno(), process, deadline)
             except TimeoutError:
                 self._discard(process)
@@ -159,6 +159,29 @@ def _send(out: IO[bytes], data: bytes) -> None:
     out.write(_LENGTH.pack(len(data)))
     out.write(data)
     out.flush()
+
+
+def _send_within(fd: int, data: bytes, peer: subprocess.Popen, deadline: float | None) -> None:
+    """One length-prefixed message to the worker, written as the pipe takes it: a worker that stopped reading
+    (it hangs: stopped, stalled) fills the pipe, and a blocking write would wait for ever. Raises TimeoutError
+    once `deadline` has passed, BrokenPipeError when the worker is gone."""
+    message = memoryview(_LENGTH.pack(len(data)) + data)
+    os.set_blocking(fd, False)
+    poller = select.poll()
+    poller.register(fd, select.POLLOUT)
+    sent = 0
+    while sent < len(message):
+        wait = _POLL_SECONDS if deadline is None else min(_POLL_SECONDS, deadline - time.monotonic())
+        if wait <= 0:
+            raise TimeoutError
+        if not poller.poll(wait * 1000):
+            if _gone(peer):
+                raise BrokenPipeError(errno.EPIPE, "the render worker is gone")
+            continue
+        try:
+            sent += os.write(fd, message[sent:sent + (1 << 20)])
+        except BlockingIOError:
+            continue
 
 
 def _receive(fd: int, peer: subprocess.Popen | int, deadline: float | None = None) -> bytes | None:
