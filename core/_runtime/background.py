@@ -97,6 +97,8 @@ class Background:
         last = self._last
         if last is not None and last is not threading.current_thread():
             last.join()
+            if self._last is last:
+                self._last = None  # (no reference kept to an ended thread)
 
     @property
     def busy(self) -> bool:

@@ -12,7 +12,6 @@ A directory removed under its owner (a tmp cleaner, `rm -rf /tmp/*`) is made aga
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import os
 import re
@@ -89,9 +88,7 @@ def _unclaimed(path: str, pid: int) -> bool:
         return False  # not ours to judge (another user's, a symlink)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as err:
-        if err.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-            return False  # its owner lives (in whatever pid namespace)
+    except OSError:  # (EWOULDBLOCK: its owner lives, in whatever pid namespace)
         return False
     finally:
         os.close(fd)  # (closing drops the lock we may have taken)

@@ -142,7 +142,9 @@ class Worker:
         if process is None:
             return
         try:
-            _send(process.stdin, b"")  # (a forked child may hold the pipe open: an explicit quit)
+            # (a forked child may hold the pipe open: an explicit quit, written as the pipe takes it: the calls
+            # left it non-blocking)
+            _send_within(process.stdin.fileno(), b"", process, time.monotonic() + _EXIT_SECONDS)
             process.stdin.close()
             process.wait(_EXIT_SECONDS)
         except (OSError, ValueError, subprocess.TimeoutExpired):

@@ -219,7 +219,8 @@ class ProfilerHook(PeriodicHook):
     def quiet_on(self, global_step: int) -> bool:
         timer = self._timer  # (_traces_step spelled out: this runs on every step the hook does not trace)
         return not self.watch.watching and timer.last_triggered_step() is not None and not (
-            self._writes_here and timer.should_trigger_for_step(global_step + self._run_steps()))
+            self._writes_here and timer.should_trigger_for_step(
+                global_step + getattr(self._session, "steps_per_run", 1)))  # (_run_steps, without its calls)
 
     def after_run(self, run_context, run_values) -> None:
         timer = self._timer

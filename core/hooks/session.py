@@ -137,6 +137,5 @@ def evaluate_fetches(fetches: Any, state: StepState) -> Any:
 
 
 def steps_per_run(session: Any) -> int:
-    """The global steps a step of `session` advances (1 for a session that does not say)."""
-    steps = getattr(session, "steps_per_run", 1)
-    return steps if isinstance(steps, int) and steps > 0 else 1
+    """The global steps a step of `session` advances (1 for a session that does not say, or none yet)."""
+    return getattr(session, "steps_per_run", 1)
