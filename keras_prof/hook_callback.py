@@ -64,12 +64,17 @@ class KerasSession(Session):
     def global_step(self) -> int:
         return self._first_step + self.steps_done
 
-    def step_ended(self, first_batch: int | None, last_batch: int) -> None:
-        """A train-function call ran batches `first_batch` .. `last_batch` of the epoch (Keras 3.8+ names both;
-        older Keras names the first twice: then it ran `steps_per_run`, the last call of an epoch maybe fewer).
-        The optimizer's count is not read: on JAX it lives outside the model during the fit."""
-        ran = last_batch - first_batch + 1 if first_batch is not None and last_batch > first_batch else \
-            self.steps_per_run
+    def step_ended(self, first_batch: int | None, last_batch: int, epoch_steps: int | None) -> None:
+        """A train-function call ran batches `first_batch` .. `last_batch` of an epoch of `epoch_steps` (Keras
+        3.8+ names both, the last as if the call were full: an epoch's last call may run fewer, so it is cut at
+        the epoch's end; older Keras names the first twice: then it ran `steps_per_run`). The optimizer's count
+        is not read: on JAX it lives outside the model during the fit."""
+        if first_batch is not None and last_batch > first_batch:
+            if epoch_steps:
+                last_batch = min(last_batch, epoch_steps - 1)
+            ran = last_batch - first_batch + 1
+        else:
+            ran = self.steps_per_run
         self.steps_done += ran
 
 
@@ -281,7 +286,7 @@ class HookCallback(keras.callbacks.Callback):
         if self._follows:
             return
         session = self._session
-        session.step_ended(self._first_batch, batch)
+        session.step_ended(self._first_batch, batch, (self.params or {}).get("steps"))
         watch = self._fit.watch
         try:
             stop = self._driver.after_run(lambda: _finished_step(session, logs, watch.batch if watch else None, batch))

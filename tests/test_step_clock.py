@@ -23,10 +23,11 @@ JAX_SCRIPT = textwrap.dedent("""
     import json, os, sys
     import numpy as np
     import keras
-    from keras_prof import ProfilerHook, StopAtStepHook
+    from hookprof import SessionRunHook
+    from keras_prof import HookCallback, ProfilerHook, StopAtStepHook
     out = sys.argv[1]
     rng = np.random.default_rng(0)
-    x, y = rng.standard_normal((96, 8)).astype("float32"), rng.standard_normal((96, 1)).astype("float32")
+    x, y = rng.standard_normal((104, 8)).astype("float32"), rng.standard_normal((104, 1)).astype("float32")
 
     def model():
         keras.utils.set_random_seed(0)
@@ -36,10 +37,19 @@ JAX_SCRIPT = textwrap.dedent("""
 
     traced = model()  # 12 batches an epoch, 3 train-function calls of 4 steps; 24 steps in 2 epochs
     hook = ProfilerHook(save_steps=8, output_dir=os.path.join(out, "prof"))
-    traced.fit(x, y, batch_size=8, epochs=2, callbacks=[hook], verbose=0)
+    traced.fit(x[:96], y[:96], batch_size=8, epochs=2, callbacks=[hook], verbose=0)
     stopped = model()
-    stopped.fit(x, y, batch_size=8, epochs=4, callbacks=[StopAtStepHook(last_step=12)], verbose=0)
-    json.dump({"backend": keras.backend.backend(), "traced_steps": int(traced.optimizer.iterations),
+    stopped.fit(x[:96], y[:96], batch_size=8, epochs=4, callbacks=[StopAtStepHook(last_step=12)], verbose=0)
+    class Clock(SessionRunHook):  # the global step hooks see, after each step
+        seen = []
+
+        def after_run(self, run_context, run_values):
+            self.seen.append(run_context.session.global_step)
+
+    uneven = model()  # 13 batches an epoch: calls of 4, 4, 4 and 1 step
+    uneven.fit(x[:104], y[:104], batch_size=8, epochs=2, callbacks=[HookCallback([Clock()])], verbose=0)
+    json.dump({"uneven": [int(uneven.optimizer.iterations), Clock.seen],
+               "backend": keras.backend.backend(), "traced_steps": int(traced.optimizer.iterations),
                "paths": [os.path.basename(p) for p in hook.saved_paths],
                "stopped_at": int(stopped.optimizer.iterations)}, open(os.path.join(out, "result.json"), "w"))
 """)
@@ -58,6 +68,9 @@ def test_keras_steps_per_execution_traces_and_stops_on_the_optimizers_steps(tmp_
     assert result["backend"] == "jax" and result["traced_steps"] == 24
     assert result["paths"] == ["timeline-8.json", "timeline-16.json", "timeline-24.json"]
     assert result["stopped_at"] == 12
+    # a call of one batch (an epoch's last) advances the step by one: the hooks' step stays the optimizer's
+    iterations, seen = result["uneven"]
+    assert iterations == 26 and seen == [4, 8, 12, 13, 17, 21, 25, 26]
 
 
 class TwoOptimizers(L.LightningModule):
