@@ -26,7 +26,7 @@ from typing import Any
 import keras
 
 from hookprof._runtime.warn_once import WarnOnce
-from hookprof.hooks.hooked_session import HookedSession, abort_running_step, check_hooks
+from hookprof.hooks.hooked_session import HookedSession, check_hooks
 from hookprof.hooks.session import Session, StepState
 from hookprof.hooks.session_run_hook import SessionRunArgs, SessionRunHook
 from hookprof.tracing import HostTracer, TracerFactory
@@ -101,7 +101,6 @@ class _TrainStepWatch:
                 fit.driver.start_trace()  # (the tracer runs only inside the step: see HookedSession)
             return self.function(*args, **kwargs)
         except BaseException:
-            abort_running_step()
             fit.close()
             raise
 
@@ -172,6 +171,7 @@ class _Fit:
         """The fit failed (or was left by an earlier one that failed): release the hooks' files, no `end()`."""
         try:
             if self.driver is not None:
+                self.driver.abort_step()  # (a running trace stops before the hooks close their files)
                 self.driver.close()
         finally:
             self._leave()
@@ -299,7 +299,6 @@ class HookCallback(keras.callbacks.Callback):
     def _fail(self) -> None:
         """A hook raised out of a batch callback: stop the trace, close the hooks' files (no `end()`, TF's
         rule) and put the model's own train function back, as a failed train step does."""
-        abort_running_step()
         if self._fit is not None:
             self._fit.close()
 

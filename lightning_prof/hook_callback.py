@@ -35,7 +35,6 @@ from hookprof.hooks.identity import SCHEDULE_ATTRIBUTES, check_name, identity, s
 from hookprof.hooks.session import Session, StepState
 from hookprof.hooks.session_run_hook import SessionRunArgs, SessionRunHook
 from hookprof.tensorboard.events import as_event_sink, use_for
-from hookprof.tracing import STEP_TRACES
 
 log = logging.getLogger(__name__)
 
@@ -263,19 +262,19 @@ class HookCallback(Callback):
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Any) -> None:
         if self._driver is None:
             return
-        STEP_TRACES.mark("backward")
+        self._driver.mark("backward")
 
     @override
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._driver is None:
             return
-        STEP_TRACES.mark("after_backward")
+        self._driver.mark("after_backward")
 
     @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         if self._driver is None:
             return
-        STEP_TRACES.mark("optimizer")
+        self._driver.mark("optimizer")
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
@@ -321,7 +320,7 @@ class HookCallback(Callback):
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._driver is None:
             return
-        STEP_TRACES.restart_data_clock()  # validation time is not the next step's data wait
+        self._driver.restart_data_clock()  # validation time is not the next step's data wait
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -330,14 +329,24 @@ class HookCallback(Callback):
         if self._batch_running or self._open_at is not None:
             self._abort()
         self._session.unpin_step()
-        self._driver.end(self._session)
+        try:
+            self._driver.end(self._session)
+        finally:
+            self._leave()
+
+    def _leave(self) -> None:
+        """The fit is over: let go of its trainer and model (a callback kept for its `saved_paths` holds neither)."""
+        self._driver = self._session = None
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         if self._driver is None:
             return
         self._abort()
-        self._driver.close()  # no end() (TF's rule), but files and writers are closed
+        try:
+            self._driver.close()  # no end() (TF's rule), but files and writers are closed
+        finally:
+            self._leave()
 
     @override
     def state_dict(self) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from hookprof.hooks.capture import CapturePipeline, Retention
 from hookprof.hooks.trigger_watch import CaptureWindow, TriggerWatch
 from hookprof.step_stats import DeviceStepStats, NodeExecStats, StepStats
 from hookprof.trace import ChromeTraceWriter
-from hookprof.tracing import HOST_DEVICE
+from hookprof.tracing import HOST_DEVICE, StepTraceCoordinator
 from hookprof.triggers import NonFinite, StepObservation
 
 SESSION = types.SimpleNamespace(rank=0, world_size=1, framework="none")
@@ -178,7 +178,7 @@ def results(loss, batch=1):
 def watch():
     watch = TriggerWatch([NonFinite("loss")], capture_steps=2, cooldown_steps=3)
     watch.begin()
-    watch.start(types.SimpleNamespace(), writes_here=True)
+    watch.start(types.SimpleNamespace(), writes_here=True, traces=StepTraceCoordinator())
     yield watch
     watch.stop()
 
@@ -186,9 +186,10 @@ def watch():
 def test_the_watch_asks_for_its_fetches_only_while_watching():
     watch = TriggerWatch([NonFinite("loss")], capture_steps=1, cooldown_steps=0)
     assert watch.step_begins() is None
-    watch.start(types.SimpleNamespace(), writes_here=False)  # (a rank that writes nothing watches nothing)
+    traces = StepTraceCoordinator()
+    watch.start(types.SimpleNamespace(), writes_here=False, traces=traces)  # (a rank writing nothing watches nothing)
     assert not watch.watching and watch.step_begins() is None
-    watch.start(types.SimpleNamespace(), writes_here=True)
+    watch.start(types.SimpleNamespace(), writes_here=True, traces=traces)
     try:
         assert watch.watching and set(watch.step_begins()) == {"fetch:loss", "batch_idx"}
     finally:

@@ -202,3 +202,74 @@ def test_the_jax_compile_listener_is_registered_for_a_fit_only():
     close_run(run)
     assert programs._on_event not in monitoring.get_event_duration_listeners()
     assert programs.hlo_epoch() is not None  # compiles it could not see: the next trace exports HLO
+
+
+class TraceEveryStep(RecordingHook):
+    """Asks for a full trace of every step."""
+
+    def before_run(self, run_context):
+        from hookprof import RunOptions, SessionRunArgs, TraceLevel
+
+        return SessionRunArgs(options=RunOptions(trace_level=TraceLevel.FULL_TRACE))
+
+
+def test_a_fit_that_ends_stops_only_its_own_trace_and_leaves_what_a_fit_in_another_thread_shares():
+    """Two fits at once (each in its own thread's context): the first to end stops its own trace and leaves
+    the second's running, with the render worker the second still uses; the last to end stops that too."""
+    from hookprof import HookedSession, ManualSession, SessionRunArgs
+    from hookprof.tracing import HostTracer, fit_traces
+
+    drivers = {name: HookedSession([TraceEveryStep()], HostTracer) for name in "ab"}
+    contexts = {name: contextvars.Context() for name in "ab"}  # (what two threads' callbacks run in)
+    session = ManualSession()
+
+    def in_fit(name, call, *args):
+        return contexts[name].run(call, *args)
+
+    for name, driver in drivers.items():
+        in_fit(name, driver.begin)
+        in_fit(name, driver.before_run, session, (name, 0), SessionRunArgs())
+    traces = {name: in_fit(name, fit_traces) for name in "ab"}
+    assert traces["a"] is not traces["b"] and all(t.active for t in traces.values())
+    worker.WORKER.start()
+    try:
+        in_fit("a", drivers["a"].end, session)
+        assert not traces["a"].active and in_fit("a", fit_traces) is None
+        assert traces["b"].active and in_fit("b", fit_traces) is traces["b"]
+        assert worker.WORKER._process is not None and worker.WORKER._process.poll() is None
+        in_fit("b", drivers["b"].end, session)
+        assert not traces["b"].active and worker.WORKER._process is None
+    finally:
+        worker.WORKER.stop()
+
+
+@pytest.mark.parametrize("how", ["clean", "stop", "raises"])
+def test_after_a_lightning_fit_its_callbacks_hold_neither_model_nor_trainer(tmp_dir, how):
+    """Callbacks a user keeps (for `saved_paths`, for the next fit) let go of the fit's model and trainer."""
+    import weakref
+
+    from lightning_prof import CheckpointSaverHook, StopAtStepHook
+
+    class Fails(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if batch_idx == 3:
+                raise RuntimeError("planted")
+
+    hooks = [ProfilerHook(save_steps=2, output_dir=os.path.join(tmp_dir, "p")),
+             SummarySaverHook(save_steps=2, output_dir=os.path.join(tmp_dir, "s"),
+                              summary_op=__import__("hookprof").summary.scalar("loss", lambda s: s.outputs["loss"])),
+             CheckpointSaverHook(os.path.join(tmp_dir, "c"), save_steps=3), StopAtStepHook(last_step=5)]
+    model = TinyModel()
+    fit_trainer = trainer(tmp_dir, [*hooks, Fails()] if how == "raises" else hooks, max_steps=5 if how == "stop" else 8)
+    if how == "raises":
+        with pytest.raises(RuntimeError, match="planted"):
+            fit_trainer.fit(model, loader())
+    else:
+        fit_trainer.fit(model, loader())
+    gone = weakref.ref(model), weakref.ref(fit_trainer)
+    for callback in hooks:  # (Lightning itself gives every callback the model's `log`, and leaves it there)
+        vars(callback).pop("log", None), vars(callback).pop("log_dict", None)
+    del model, fit_trainer
+    gc.collect()
+    assert [ref() for ref in gone] == [None, None]
+    assert hooks[0].saved_paths  # (the callbacks are alive, with what they wrote)

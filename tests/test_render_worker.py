@@ -23,7 +23,6 @@ from hookprof._runtime import worker
 from hookprof.hooks import CaptureOptions, profiler_hook
 from hookprof.hooks.capture import CapturePipeline
 from hookprof.trace import format as fmt
-from hookprof.tracing import STEP_TRACES
 from hookprof.tracing.kineto_trace import KinetoExport, flops
 from lightning_prof import HookCallback, ProfilerHook
 from tests import worker_probe
@@ -289,7 +288,6 @@ def test_exports_are_removed_once_rendered_and_a_dead_processs_are_removed_later
     assert all(".owner" in names for entry in seen[1:] for _, names in entry)
     (mine,) = [p for p in (tmp_path / "tmp").iterdir() if p.name != alive.name]
     assert len([p for p in mine.iterdir() if p.name != ".owner"]) <= 1
-    STEP_TRACES.new_run()
     gc.collect()
     assert [p.name for p in mine.iterdir()] == [".owner"]
     assert [os.path.basename(p) for p in hook.saved_paths] == ["timeline-2.json", "timeline-4.json"]

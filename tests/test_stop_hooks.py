@@ -13,7 +13,7 @@ from hookprof import HookedSession, ManualSession, SessionRunArgs, StepState, st
 from hookprof.hooks.final_ops_hook import FinalOpsHook
 from hookprof.hooks.nan_tensor_hook import NanLossDuringTrainingError, NanTensorHook, is_nan
 from hookprof.hooks.stop_at_step_hook import StopAtStepHook
-from hookprof.tracing import STEP_TRACES, HostTracer, StepTraceCoordinator
+from hookprof.tracing import HostTracer, StepTraceCoordinator, fit_traces
 from tests.conftest import NoFastPath, RecordingHook
 
 # -- driving hooks by hand, as TF's tests drive `monitored_session._HookedSession` ----------------------------
@@ -293,7 +293,7 @@ def test_lightning_nan_failure_fails_fit_and_stops_the_trace(tmp_dir):
     with pytest.raises(NanLossDuringTrainingError, match="NaN loss during training"):
         t.fit(_nan_lightning_model(nan_at=2), loader())
     assert t.global_step == 2 and ends == []
-    assert not torch._C._autograd._profiler_enabled() and not STEP_TRACES.active
+    assert not torch._C._autograd._profiler_enabled() and fit_traces() is None
     with pytest.raises(TypeError, match="`loss_tensor` must be a fetch"):
         LNan(None)
 
@@ -410,7 +410,7 @@ def test_keras_nan_failure_fails_fit_stops_the_trace_and_restores_the_model(tmp_
     with pytest.raises(NanLossDuringTrainingError, match="NaN loss during training"):
         keras_fit(m, [prof, cb], epochs=2)  # the ProfilerHook's callback drives the fit (it comes first)
     assert int(m.optimizer.iterations) == 2 and ends == []
-    assert not torch._C._autograd._profiler_enabled() and not STEP_TRACES.active
+    assert not torch._C._autograd._profiler_enabled() and fit_traces() is None
     assert not isinstance(m.train_function, _TrainStepWatch)
     assert cb._fit is None and prof._fit is None
 

@@ -7,13 +7,16 @@ render worker process, a JAX compile listener, the background threads. Code that
 hand-driven tracer, a test) finds no run and keeps the process-level fallback it had (`atexit`).
 
 The current run is a `ContextVar`: each thread's context has its own, and the training thread, where the
-framework calls the callbacks, is where fits begin and end.
+framework calls the callbacks, is where fits begin and end. What several fits at once share (hookprof's
+background threads, the render worker) is stopped by the last of them to end (`close_run` says which).
 """
 
 from __future__ import annotations
 
 import contextvars
 import logging
+import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -23,9 +26,10 @@ log = logging.getLogger(__name__)
 class FitRun:
     """Stops registered by what a fit started, run once, newest first, when the fit ends."""
 
-    def __init__(self) -> None:
+    def __init__(self, traces: Any = None) -> None:
         self._stops: list[tuple[Any, Callable[..., Any], tuple[Any, ...]]] = []
         self.closed = False
+        self.traces = traces  # the fit's step trace coordinator (`hookprof.tracing.fit_traces()`)
 
     def on_end(self, key: Any, stop: Callable[..., Any], *args: Any) -> None:
         """Run `stop(*args)` when the fit ends; a second registration under the same `key` is ignored (the
@@ -50,21 +54,38 @@ class FitRun:
 _CURRENT: contextvars.ContextVar[FitRun | None] = contextvars.ContextVar("hookprof_fit_run", default=None)
 
 
-def open_run() -> FitRun:
-    """A new run, current from now on in this context (a run still open here is closed first)."""
+_OPEN: weakref.WeakSet[FitRun] = weakref.WeakSet()  # the runs open in any context (fits in other threads)
+_OPENING = threading.Lock()
+
+
+def open_run(traces: Any = None) -> FitRun:
+    """A new run, current from now on in this context (a run still open here is closed first); `traces`: the
+    fit's step trace coordinator."""
     previous = _CURRENT.get()
     if previous is not None:
-        previous.close()
-    run = FitRun()
+        close_run(previous)
+    run = FitRun(traces)
+    with _OPENING:
+        _OPEN.add(run)
     _CURRENT.set(run)
     return run
 
 
-def close_run(run: FitRun) -> None:
-    """Close `run`; it stops being current if it was."""
+def close_run(run: FitRun) -> bool:
+    """Close `run`; it stops being current if it was. Returns whether no other run is open now (in any
+    context): the caller then stops what fits share."""
     run.close()
     if _CURRENT.get() is run:
         _CURRENT.set(None)
+    with _OPENING:
+        _OPEN.discard(run)
+        return not _OPEN
+
+
+def current_run() -> FitRun | None:
+    """The fit running in this context, if any."""
+    run = _CURRENT.get()
+    return None if run is None or run.closed else run
 
 
 def on_fit_end(key: Any, stop: Callable[..., Any], *args: Any) -> bool:

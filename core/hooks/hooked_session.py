@@ -31,7 +31,7 @@ from hookprof.hooks.session_run_hook import (
     SessionRunValues,
     TraceLevel,
 )
-from hookprof.tracing import STEP_TRACES, StepTraceCoordinator, TracerFactory
+from hookprof.tracing import StepTraceCoordinator, TracerFactory
 
 _HOOK_METHODS = ("begin", "after_create_session", "before_run", "after_run", "end")
 _NO_FEEDS: Mapping[str, Any] = {}
@@ -64,7 +64,7 @@ def feeding(feeds: Mapping[str, Any]) -> Iterator[None]:
         _current_feeds.reset(token)
 
 
-def abort_running_step(traces: StepTraceCoordinator = STEP_TRACES) -> None:
+def abort_running_step(traces: StepTraceCoordinator) -> None:
     """A step raised: stop its trace (the profiler must not stay on) and drop its feeds."""
     _current_feeds.set(_NO_FEEDS)
     traces.abort()
@@ -93,7 +93,8 @@ class HookedSession:
     Args:
         hooks: the hooks, called in this order.
         tracer_factory: makes the tracer for a step some hook asked to trace.
-        traces: the coordinator that keeps one tracer per step across callbacks (the process-wide one).
+        traces: the coordinator that keeps one tracer per step and the step's phases (None: one of this
+            driver's own, current in its context while the fit runs: `hookprof.tracing.fit_traces()`).
         defer_trace: a traced step's tracer starts at `start_trace()`, not in `before_run`: an adapter whose
             framework tells no one when a step fails outside the step itself (Keras: another callback's
             `on_train_batch_begin`) starts it where the step runs, so such a failure leaves no profiler on.
@@ -103,7 +104,7 @@ class HookedSession:
         self,
         hooks: Sequence[SessionRunHook],
         tracer_factory: TracerFactory,
-        traces: StepTraceCoordinator = STEP_TRACES,
+        traces: StepTraceCoordinator | None = None,
         defer_trace: bool = False,
     ) -> None:
         self.hooks = check_hooks(hooks)
@@ -111,7 +112,7 @@ class HookedSession:
             raise TypeError(f"`HookedSession(tracer_factory={tracer_factory!r})`: pass a callable that makes a "
                             "hookprof.tracing.Tracer (e.g. hookprof.tracing.HostTracer).")
         self.tracer_factory = tracer_factory
-        self._traces = traces
+        self._traces = traces if traces is not None else StepTraceCoordinator()
         self._context: SessionRunContext | None = None
         self._fetches: dict[int, Any] = {}
         self._options: RunOptions | None = None
@@ -126,7 +127,7 @@ class HookedSession:
         self._quiet_checks = checks if all(callable(check) for check in checks) else None
 
     def begin(self) -> None:
-        self._run = open_run()
+        self._run = open_run(self._traces)
         self._traces.new_run()
         for hook in self.hooks:
             hook.begin()
@@ -189,6 +190,14 @@ class HookedSession:
                 self._pending_trace = (step_key, options)
             else:
                 self._traces.start(step_key, self.tracer_factory, options)
+
+    def mark(self, phase: str) -> None:
+        """The running step entered `phase` now (the framework's event: "backward", "optimizer", ...)."""
+        self._traces.mark(phase)
+
+    def restart_data_clock(self) -> None:
+        """Work between steps that is not data loading (validation) ended now."""
+        self._traces.restart_data_clock()
 
     def start_trace(self) -> None:
         """Start the trace `before_run` deferred (`defer_trace`), if any: call it where the step itself runs."""
@@ -259,17 +268,16 @@ class HookedSession:
     def release(self) -> None:
         """Stop everything hookprof started for this fit, however it ended: a running trace (the profiler and
         its module hooks), the step's feeds, the background threads (once their files are written), the render
-        worker process and what else registered with the fit's run (a JAX compile listener). Safe to call
-        twice; `end()` and `close()` call it."""
-        self._context = self._pending_trace = None
+        worker process and what else registered with the fit's run (a JAX compile listener). What fits share
+        (the background threads, the render worker) is stopped by the last fit open to end: a fit in another
+        thread goes on writing. Safe to call twice; `end()` and `close()` call it."""
+        self._context = self._pending_trace = self._session = None
+        self._fetches = {}
         abort_running_step(self._traces)
-        try:
+        run, self._run = self._run, None
+        if run is not None and close_run(run):
             drain_all()
             worker.WORKER.stop()
-        finally:
-            run, self._run = self._run, None
-            if run is not None:
-                close_run(run)
 
 
 def _merge_feeds(feeds: dict, new: Mapping, user: Mapping, hook_name: str) -> None:

@@ -92,5 +92,7 @@ class PeriodicHook(SessionRunHook):
         self._events_dir = None
 
     def close(self) -> None:
-        """Release what this hook holds (at `end()`, and when training fails before it)."""
+        """Release what this hook holds (at `end()`, and when training fails before it): the event stream, and
+        the fit's session (the model stays no one's after its fit)."""
         self._release_events()
+        self._session = None

@@ -64,6 +64,13 @@ class StopAtStepHook(SessionRunHook):
         last = self._last_step
         return last is not None and global_step + steps_per_run(self._session) < last
 
+    def end(self, session: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Let go of the fit's session (at `end()`, and when training fails before it)."""
+        self._session = None
+
     def before_run(self, run_context) -> SessionRunArgs | None:
         # TF fetched the global step's read tensor (its value before the step); the session has it now
         self._stale_step = run_context.session.global_step

@@ -1,7 +1,7 @@
 """The trigger watch: ProfilerHook's triggers judged on every step, and the capture windows their fires open.
 
 `TriggerWatch` holds the triggers (`hookprof.triggers`), what they fetch of each step, the cooldown and the
-count of fires; while watching, the trace coordinator keeps the phases of the last steps (`STEP_TRACES.watch`),
+count of fires; while watching, the fit's trace coordinator keeps the phases of the last steps (`watch`),
 so a fire's file can show the steps before it. A fire at step N opens a `CaptureWindow`: the next
 `capture_steps` steps are to be traced, and their files say why.
 """
@@ -16,8 +16,7 @@ from typing import Any
 from hookprof._runtime.memory import allocated_bytes, model_device
 from hookprof._runtime.warn_once import WarnOnce
 from hookprof.hooks.session import evaluate_fetches
-from hookprof.tracing import STEP_TRACES
-from hookprof.tracing.coordinator import StepRecord
+from hookprof.tracing.coordinator import StepRecord, StepTraceCoordinator, fit_traces
 from hookprof.triggers import StepObservation, Trigger, host_scalar
 
 # ProfilerHook's logger: "... fired at step N" stays where users set ProfilerHook's level.
@@ -84,6 +83,7 @@ class TriggerWatch:
         self.reads_memory = any(t.reads_memory for t in self.triggers)
         self.window = max((t.window for t in self.triggers), default=0) + 1  # the firing step and those before
         self.watching = False
+        self._traces: StepTraceCoordinator | None = None  # the fit's, while watching
         self._memory_device: str | None = None
         self.pending: CaptureWindow | None = None  # the fire being captured, while steps remain
         self._quiet_until = -1  # no trigger fires at or before this step (the cooldown)
@@ -95,24 +95,26 @@ class TriggerWatch:
             trigger.reset()
         self.pending, self._quiet_until = None, -1
 
-    def start(self, session: Any, writes_here: bool) -> None:
+    def start(self, session: Any, writes_here: bool, traces: StepTraceCoordinator | None = None) -> None:
         """The session exists: find the device whose memory MemoryJump reads (the model's, not whichever CUDA
-        touched last), and have the coordinator keep the last steps' phases, for a fire's file."""
+        touched last), and have the coordinator (`traces`; None: the fit's) keep the last steps' phases, for
+        a fire's file."""
         self._memory_device = model_device(getattr(session, "model", None)) if self.reads_memory else None
-        if self.triggers and writes_here and not self.watching:
-            STEP_TRACES.watch(self.window)
-            self.watching = True
+        traces = traces if traces is not None else fit_traces()
+        if self.triggers and writes_here and not self.watching and traces is not None:
+            traces.watch(self.window)
+            self.watching, self._traces = True, traces
 
     def stop(self) -> None:
         if self.watching:
-            STEP_TRACES.unwatch(self.window)
-            self.watching = False
+            self._traces.unwatch(self.window)
+            self.watching, self._traces = False, None
 
     def step_begins(self) -> dict[str, Any] | None:
         """A step begins: the fetches the triggers read of it (None when not watching)."""
         if not self.watching:
             return None
-        STEP_TRACES.step_begins()
+        self._traces.step_begins()
         return self.fetches
 
     def step_ended(self, step: int, results: dict[Any, Any], traced: CaptureWindow | None, writes_here: bool,
@@ -128,7 +130,7 @@ class TriggerWatch:
 
     def _judge(self, step: int, results: dict[Any, Any], writes_here: bool, output_dir: Any) -> None:
         """Show the finished step to every trigger; on a fire (outside the cooldown) capture the next steps."""
-        record = STEP_TRACES.last_record
+        record = self._traces.last_record
         if record is not None:
             record.step = step
         # time and memory are judged only on steps that ran as an untraced step runs
@@ -146,7 +148,7 @@ class TriggerWatch:
         if not fires or step <= self._quiet_until or not writes_here:
             return
         self._quiet_until = step + self.cooldown_steps
-        recent = [r for r in STEP_TRACES.recent if r.step is not None and r.step > step - self.window]
+        recent = [r for r in self._traces.recent if r.step is not None and r.step > step - self.window]
         self.pending = CaptureWindow(fires, recent, self.capture_steps)
         for fire in fires:
             self.fired[fire["kind"]] += 1

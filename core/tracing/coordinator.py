@@ -1,6 +1,8 @@
-"""The coordinator that runs at most one tracer per training step, for the process.
+"""The coordinator that runs at most one tracer per training step, one per fit.
 
-A fit's driver asks `STEP_TRACES` to trace a step when a hook asks for it (the hooks' options merged first)
+Each fit's driver (`hookprof.hooks.hooked_session.HookedSession`) owns one coordinator, current in its
+context while the fit runs (`fit_traces()`: what a hook judging every step reads the phases from). The driver
+asks it to trace a step when a hook asks for it (the hooks' options merged first)
 and stops it at the step's end; every hook of that step gets the same `RunMetadata`, whose step stats are
 converted from the recording on first use (on `ProfilerHook`'s background thread, unless a hook reads them
 first). A second driver asking for the same step (two hand-built `HookedSession`s) gets the running trace. The
@@ -15,10 +17,12 @@ import collections
 import dataclasses
 import logging
 import time
+import weakref
 from collections.abc import Hashable
 from typing import Any
 
 from hookprof._runtime.background import BACKGROUND, any_busy
+from hookprof._runtime.fit_run import current_run
 from hookprof._runtime.warn_once import WarnOnce
 from hookprof.run_options import RunMetadata, RunOptions
 from hookprof.step_stats import NodeExecStats, StepStats
@@ -158,6 +162,7 @@ class StepTraceCoordinator:
         last = self._last_step_end_ns
         trace = _StepTrace(key, tracer, options, None if last is None else (last, requested_ns))
         self._current = trace
+        _TRACING.add(self)
         trace.marks.append(("step", time.time_ns()))
         if self._record is not None:
             self._record.traced = True
@@ -216,6 +221,7 @@ class StepTraceCoordinator:
         """Drop the running trace, if any, after a failed step; the tracer is always stopped."""
         self._record = None
         current, self._current = self._current, None
+        _TRACING.discard(self)
         if current is not None and current.metadata is None:
             try:
                 current.tracer.abort()
@@ -300,7 +306,18 @@ def _phases_seen(stats: StepStats, step_start: int, step_end: int) -> list[tuple
     return phases
 
 
-STEP_TRACES = StepTraceCoordinator()
-# A trace left running when the process ends (a Keras step failing outside the step function, which no
-# callback sees) is stopped, so no profiler session or temp file outlives the process.
-atexit.register(STEP_TRACES.abort)
+# Coordinators whose trace is running: one left running when the process ends (a Keras step failing outside
+# the step function, which no callback sees) is stopped, so no profiler session or temp file outlives it.
+_TRACING: weakref.WeakSet[StepTraceCoordinator] = weakref.WeakSet()
+
+
+def fit_traces() -> StepTraceCoordinator | None:
+    """The coordinator of the fit running in this context; None outside a fit."""
+    run = current_run()
+    return None if run is None else run.traces
+
+
+@atexit.register
+def _abort_running() -> None:
+    for traces in list(_TRACING):
+        traces.abort()

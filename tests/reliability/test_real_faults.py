@@ -31,7 +31,6 @@ import keras_prof
 import lightning_prof
 from hookprof import summary
 from hookprof._runtime.private_dir import OWNER_FILE
-from hookprof.tracing import STEP_TRACES
 from tests.conftest import timeline_steps
 from tests.lightning_models import TinyModel, loader
 from tests.reliability.real_disk import Ext4Image, Tmpfs, mounted
@@ -354,7 +353,6 @@ def test_a_temporary_directory_without_room_costs_the_traces_until_it_has_room(t
         assert profiler.dropped_outputs == 4  # steps 2-5
         (warning,) = warnings_of(caplog, "Could not export traced step 2")
         assert tmp.path in warning and "TMPDIR" in warning
-        STEP_TRACES.new_run()  # (the last traced step's export lives while its RunMetadata may be read)
         gc.collect()
         left = [os.path.join(folder, name) for folder, _, names in os.walk(tmp.path) for name in names
                 if name != OWNER_FILE]  # (the lock that claims this process's export directory while it lives)
