@@ -407,3 +407,42 @@ def test_the_workers_log_records_obey_the_training_processs_levels(caplog):
         logging.getLogger("hookprof.probe").setLevel(logging.NOTSET)
         own.stop()
     assert [(r.name, r.getMessage()) for r in caplog.records] == [("hookprof.probe", "said")]
+
+
+def test_a_worker_stopped_with_sigstop_costs_training_a_bounded_wait_and_is_replaced(tmp_path, caplog):
+    """A real SIGSTOP on the render worker in a fit: the next traced step waits `render_wait_seconds` (plus three
+    of the worker's slowest renders) for it, not `render_timeout_seconds`; the hung worker is killed, its step
+    dropped and said once, and a new worker renders the steps after."""
+    import lightning as L
+
+    stopped = []
+
+    class StopTheWorker(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.global_step == 3:
+                hook.flush()  # (steps 1-3 rendered: the worker is idle, then stopped)
+                stopped.append(worker.WORKER._process.pid)
+                os.kill(stopped[0], signal.SIGSTOP)
+
+    out = tmp_path / "prof"
+    hook = profiler_hook.ProfilerHook(save_steps=1, output_dir=str(out), capture=CaptureOptions(
+        render_wait_seconds=1.0, render_timeout_seconds=120))
+    fit = trainer(str(tmp_path), [HookCallback([hook]), StopTheWorker()], max_steps=8)
+    started = time.monotonic()
+    try:
+        with caplog.at_level(logging.WARNING):
+            fit.fit(TinyModel(), loader())
+    finally:
+        if stopped:
+            with __import__("contextlib").suppress(ProcessLookupError):
+                os.kill(stopped[0], signal.SIGKILL)
+    elapsed = time.monotonic() - started
+    assert fit.global_step == 8 and elapsed < 30  # (waited for the hung worker: 120 s and more)
+    assert hook.dropped_outputs == 1
+    written = sorted(int(p.name.split("-")[1].split(".")[0]) for p in out.glob("timeline-*.json"))
+    assert written == [2, 3, 5, 6, 7, 8]  # step 4 went to the stopped worker; a new one did the rest
+    assert worker.WORKER._process is None  # (the fit's end stopped the new one)
+    assert not os.path.exists(f"/proc/{stopped[0]}")  # killed and reaped, not left stopped
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum("killed and a new one renders" in m for m in messages) == 1
+    assert any("timeline-4.json" in m and "killed by SIGKILL" in m for m in messages)

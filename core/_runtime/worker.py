@@ -150,6 +150,14 @@ class Worker:
         except (OSError, ValueError, subprocess.TimeoutExpired):
             process.kill()
 
+    def kill(self) -> None:
+        """Kill the running worker at once (it hangs: the training process judged so); a call waiting on it fails
+        with `WorkerFailed`, and the next call starts a new worker. Safe from any thread."""
+        process = self._process
+        if process is not None:
+            with contextlib.suppress(OSError):
+                process.kill()
+
     def _forget(self) -> None:
         """In a forked child (a DataLoader worker): the worker is the parent's; this process starts its own
         if it ever needs one."""

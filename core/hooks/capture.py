@@ -52,6 +52,10 @@ class CaptureOptions:
             and the worker stopped: a hung worker (a stalled TMPDIR, say) must not hold up the fit's end. At the
             worker's pace (tens of microseconds an event at most) 300 s leaves a wide margin for steps of
             millions of events.
+        render_wait_seconds: how long training waits for the worker, at most, beyond three times its slowest
+            render so far: the next traced step (or the fit's end) waits for the step being rendered; a worker
+            that takes longer is judged hung (stopped with SIGSTOP, stalled): it is killed, its step dropped
+            (counted in `dropped_outputs`, one warning) and a new worker renders the next steps.
         max_pending_writes: traced steps rendered and waiting for the disk, at most (each is held in memory
             until written): past that a step due to be traced is not, and is counted (`skipped_traces`, and the
             next file's metadata `skipped_traces`).
@@ -62,6 +66,7 @@ class CaptureOptions:
 
     render_worker: bool = True
     render_timeout_seconds: float = 300.0
+    render_wait_seconds: float = 10.0
     max_pending_writes: int = 2
     write_grace_seconds: float = 0.05
 
@@ -69,6 +74,7 @@ class CaptureOptions:
         owner = type(self).__name__
         arguments.check_bool(owner, "render_worker", self.render_worker)
         arguments.check_seconds(owner, "render_timeout_seconds", self.render_timeout_seconds)
+        arguments.check_seconds(owner, "render_wait_seconds", self.render_wait_seconds)
         arguments.check_positive_int(owner, "max_pending_writes", self.max_pending_writes)
         grace = self.write_grace_seconds
         if isinstance(grace, bool) or grace != 0:  # (0 is allowed: no grace)
@@ -263,6 +269,7 @@ class CapturePipeline:
         self._saved_paths: list[str] = []
         self._pending: BackgroundJob | None = None  # the background job of the last traced step
         self._rendering: BackgroundJob | None = None  # the last job waiting for the render worker (RENDERS)
+        self._slowest_render = 0.0  # seconds, of the worker's renders that came back
         self._writes: collections.deque[BackgroundJob] = collections.deque()  # on the disk's worker, in order
         self.skipped_traces = 0  # steps due to be traced while max_pending_writes files waited for the disk
         self.skipped_since_file = 0  # of those, the ones no file's metadata has reported yet
@@ -329,8 +336,7 @@ class CapturePipeline:
         """Wait until every step handed over so far is on disk (files, TensorBoard, the Profiler)."""
         if self._pending is not None:
             self._pending.wait()  # the jobs run in order: the last one done, all are
-        if self._rendering is not None:
-            self._rendering.wait()  # (and so do the render worker's, which the background jobs fed)
+        self._await_render()  # (and so do the render worker's, which the background jobs fed)
         if self._writes:
             self._writes[-1].wait()  # and so do the disk's
             self._writes.clear()
@@ -355,11 +361,10 @@ class CapturePipeline:
                 self._warn_once("convert", "Collecting the traced step failed; it has no timeline.", exc_info=True)
                 return
             if exported is not None:
-                if self._rendering is not None:
-                    # One step renders while the next is exported, no more: a schedule faster than the worker
-                    # makes the next traced step wait here (the coordinator waits for this thread), rather than
-                    # piling exports up in TMPDIR and memory.
-                    self._rendering.wait()
+                # One step renders while the next is exported, no more: a schedule faster than the worker makes
+                # the next traced step wait here (the coordinator waits for this thread), rather than piling
+                # exports up in TMPDIR and memory; a hung worker is not waited for long.
+                self._await_render()
                 self._rendering = RENDERS.submit(lambda: self.finish(job, self.render_elsewhere(job, exported)))
                 return
         stats = job.run_metadata.step_stats
@@ -370,11 +375,30 @@ class CapturePipeline:
             except Exception:  # the Profiler's bug must not cost the timeline or the run
                 self._warn_once("profiler", "Profiler.add_step(%d) failed.", job.step, exc_info=True)
 
+    def _await_render(self) -> None:
+        """Wait for the step the render worker has, for at most `render_wait_seconds` beyond three times its
+        slowest render: past that it is judged hung and killed (its call fails, its step is dropped and said),
+        and the next call starts a new worker."""
+        rendering = self._rendering
+        if rendering is None:
+            return
+        patience = self.options.render_wait_seconds + 3 * self._slowest_render
+        if rendering.wait(patience):
+            return
+        self._warn_once("hung", "The render worker has not rendered a traced step in %.1f s (its slowest render "
+                        "took %.1f s): it is killed and a new one renders the next steps (CaptureOptions("
+                        "render_wait_seconds=%g)).", patience, self._slowest_render, self.options.render_wait_seconds)
+        worker.WORKER.kill()
+        rendering.wait()
+
     def render_elsewhere(self, job: Job, exported: Any) -> Rendered | None:
         """On `RENDERS`: the step rendered by the render worker (here if none can start)."""
         try:
-            return worker.WORKER.call(render_step, exported, self.writer, job.spec,
-                                      timeout=self.options.render_timeout_seconds)
+            started = time.monotonic()
+            rendered = worker.WORKER.call(render_step, exported, self.writer, job.spec,
+                                          timeout=self.options.render_timeout_seconds)
+            self._slowest_render = max(self._slowest_render, time.monotonic() - started)
+            return rendered
         except worker.WorkerFailed as err:
             count_dropped(self._counts)
             self._warn_once("worker", "Could not render timeline %s: %s. Training goes on without it.", job.path,
