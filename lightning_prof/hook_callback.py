@@ -21,6 +21,7 @@ import functools
 import hashlib
 import logging
 import os
+import reprlib
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -364,7 +365,13 @@ class HookCallback(Callback):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        for hook, state in zip(self.hooks, state_dict.get("hooks", [])):
+        states = state_dict.get("hooks") if isinstance(state_dict, dict) else None
+        if not isinstance(states, list) or len(states) != len(self.hooks):
+            log.warning("%s ignores its state in the checkpoint (%s): not one it writes (a list of %d hooks' "
+                         "states under 'hooks'); its hooks schedule as a run resumed without one.",
+                         self.state_key, reprlib.repr(state_dict), len(self.hooks))
+            return
+        for hook, state in zip(self.hooks, states):
             if state is not None and hasattr(hook, "load_state_dict"):
                 hook.load_state_dict(state)
 

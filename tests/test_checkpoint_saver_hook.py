@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+import hookprof
 from hookprof import HookedSession, ManualSession, SessionRunArgs, StepState
 from hookprof._runtime import atomic_file
 from hookprof.hooks.checkpoint_saver_hook import CheckpointSaverHook, CheckpointSaverListener, latest_checkpoint
@@ -584,3 +585,66 @@ def test_keras_save_with_only_tmpdir_full_names_tmpdir_not_the_checkpoint_dir(tm
     assert f"the temporary directory {full_tmpfs.path} (TMPDIR) is full" in warnings[0]
     assert "the checkpoint directory has room" in warnings[0]
     assert not [n for n in os.listdir(ckpt_dir) if n.endswith(".tmp")]
+
+
+@pytest.mark.parametrize("order", ["saver first", "saver last"])
+def test_a_resumed_run_keeps_the_schedules_whatever_the_order_of_the_callbacks(tmp_dir, order):
+    """A checkpoint written by CheckpointSaverHook in a step is taken before the later callbacks' after_run of
+    that step: their saved schedules must still be the ones they have after it (TF's saver ran after the step)."""
+    import lightning_prof
+    from lightning_prof.checkpoint_saver_hook import CheckpointSaverHook as LightningCheckpointSaverHook
+
+    def run(out, max_steps, ckpt_path=None):
+        profiler = lightning_prof.ProfilerHook(save_steps=4, output_dir=os.path.join(tmp_dir, out),
+                                               tensorboard=False)
+        loss = hookprof.summary.scalar("loss", lambda s: s.outputs["loss"])
+        summaries = lightning_prof.SummarySaverHook(save_steps=4, output_dir=os.path.join(tmp_dir, out),
+                                                    summary_op=loss)
+        saver = LightningCheckpointSaverHook(os.path.join(tmp_dir, out, "ckpt"), save_steps=8)
+        callbacks = [saver, profiler, summaries] if order == "saver first" else [profiler, summaries, saver]
+        trainer(tmp_dir, callbacks, max_steps=max_steps).fit(TinyModel(), loader(n=160), ckpt_path=ckpt_path)
+        return [int(os.path.basename(p).split("-")[1].split(".")[0]) for p in profiler.saved_paths]
+
+    def summary_steps(out):
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        accumulator = EventAccumulator(os.path.join(tmp_dir, out))
+        accumulator.Reload()
+        return [event.step for event in accumulator.Tensors("loss")]
+
+    assert run("whole", 16) == [4, 8, 12, 16]
+    run("first", 8)
+    resumed = run("resumed", 16, os.path.join(tmp_dir, "first", "ckpt", "model.ckpt-8.ckpt"))
+    assert resumed == [12, 16]
+    whole = summary_steps("whole")
+    assert len(whole) >= 4 and summary_steps("resumed") == [step for step in whole if step > 8]
+
+
+@pytest.mark.parametrize("tamper, why", [
+    (lambda state: state["hooks"][0]["timer"].update(last_triggered_step="8"), "is not one it writes"),
+    (lambda state: state["hooks"][0]["timer"].update(last_triggered_step=-4), "is not one it writes"),
+    (lambda state: state["hooks"][0].update(timer=[8]), "is not one it writes"),
+    (lambda state: state["hooks"][0]["timer"].update(last_triggered_step=10**9), "after the resumed run's step 8"),
+    (lambda state: state.update(hooks={"a": 1}), "not one it writes"),
+])
+def test_tampered_hook_state_in_a_checkpoint_is_said_once_and_the_schedule_starts_afresh(tmp_dir, caplog, tamper,
+                                                                                       why):
+    import lightning_prof
+    from lightning_prof.checkpoint_saver_hook import CheckpointSaverHook as LightningCheckpointSaverHook
+
+    def run(out, max_steps, ckpt_path=None):
+        profiler = lightning_prof.ProfilerHook(save_steps=4, output_dir=os.path.join(tmp_dir, out),
+                                               tensorboard=False)
+        saver = LightningCheckpointSaverHook(os.path.join(tmp_dir, out, "ckpt"), save_steps=8)
+        trainer(tmp_dir, [profiler, saver], max_steps=max_steps).fit(TinyModel(), loader(n=160), ckpt_path=ckpt_path)
+        return profiler, [int(os.path.basename(p).split("-")[1].split(".")[0]) for p in profiler.saved_paths]
+
+    profiler, _ = run("first", 8)
+    checkpoint = torch.load(os.path.join(tmp_dir, "first", "ckpt", "model.ckpt-8.ckpt"), weights_only=False)
+    tamper(checkpoint["callbacks"][profiler.state_key])
+    torch.save(checkpoint, os.path.join(tmp_dir, "tampered.ckpt"))
+    with caplog.at_level(logging.WARNING):
+        _, resumed = run("resumed", 16, os.path.join(tmp_dir, "tampered.ckpt"))
+    assert resumed == [12, 16]  # as a resume without a saved schedule: from the last multiple of save_steps
+    (warning,) = [r.getMessage() for r in caplog.records if "ignores" in r.getMessage()]
+    assert why in warning and "ProfilerHook" in warning

@@ -3,8 +3,11 @@ resumable state, the output directory, the TensorBoard stream it holds, and warn
 
 from __future__ import annotations
 
+import copy
 import logging
+import numbers
 import os
+import reprlib
 from collections.abc import Callable
 from typing import Any
 
@@ -41,6 +44,7 @@ class PeriodicHook(SessionRunHook):
         self.dropped_outputs = 0
         self._warn_once = WarnOnce(logging.getLogger(type(self).__module__))
         self._session: Any = None  # the fit's session (its steps_per_run)
+        self._due = False  # the running step fires the schedule (set in before_run, cleared by `_step_done`)
 
     def _run_steps(self) -> int:
         """How many global steps the coming step advances (TF's steps_per_run; see `Session.steps_per_run`)."""
@@ -53,12 +57,17 @@ class PeriodicHook(SessionRunHook):
             self.output_dir = arguments.expand_dir(type(self).__name__, "output_dir", path)
 
     def begin(self) -> None:
+        self._due = False
         if not self._restored:
             self._timer.reset()
 
     def after_create_session(self, session: Any, coord: Any) -> None:
         self._session = session
         step = getattr(session, "global_step", 0) or 0
+        last = self._timer.last_triggered_step()
+        if self._restored and last is not None and last > step:
+            self._ignore_saved(f"it fired last at step {last}, after the resumed run's step {step}")
+            self._timer.reset()
         if not self._restored and self.save_steps and step > 0 and self._timer.last_triggered_step() is None:
             # Resumed without a saved schedule (a Keras checkpoint holds the optimizer's step, not callbacks):
             # an uninterrupted run fires at N, 2N, ..., so continue from the last multiple of N. Seconds
@@ -66,13 +75,36 @@ class PeriodicHook(SessionRunHook):
             self._timer.update_last_triggered_step(step - step % self.save_steps)
         self._restored = False  # a later run starts its own count
 
+    def _step_done(self) -> None:
+        """This hook's after_run of the running step is over (its timer is up to date)."""
+        self._due = False
+
     def state_dict(self) -> dict[str, Any]:
-        """The schedule, so that a resumed run writes no duplicate and misses no step."""
-        return {"timer": self._timer.state_dict()}
+        """The schedule, so that a resumed run writes no duplicate and misses no step. A checkpoint taken inside
+        a step this hook fires on, before its after_run (a `CheckpointSaverHook` earlier in the list), holds the
+        schedule as it is after that step: what a resumed run reads does not depend on the hooks' order."""
+        timer = self._timer
+        if self._due and self._session is not None:
+            timer = copy.copy(timer)
+            timer.update_last_triggered_step(self._session.global_step)
+        return {"timer": timer.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._timer.load_state_dict(state.get("timer", {}))
+        """Restore a schedule `state_dict` gave. A state hookprof does not write (a tampered or foreign
+        checkpoint) is said once and ignored: the run goes on as a resume without a saved schedule."""
+        timer = state.get("timer") if isinstance(state, dict) else None
+        step = timer.get("last_triggered_step", None) if isinstance(timer, dict) else False
+        if step is not None and not (isinstance(step, numbers.Integral) and not isinstance(step, bool) and step >= 0):
+            self._ignore_saved(f"{reprlib.repr(state)} is not one it writes ({{'timer': {{'last_triggered_step': "
+                               "an int >= 0 or None}})")
+            return
+        self._timer.load_state_dict(timer)
         self._restored = True
+
+    def _ignore_saved(self, why: str) -> None:
+        self._restored = False
+        self._warn_once("state", "%s ignores the schedule saved in the checkpoint: %s. It schedules as a run "
+                        "resumed without one.", type(self).__name__, why)
 
     # --- the TensorBoard stream of output_dir, held for a run -----------------------------------------------
 

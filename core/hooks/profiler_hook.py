@@ -205,7 +205,7 @@ class ProfilerHook(PeriodicHook):
                 and timer.should_trigger_for_step(global_step + self._run_steps()))
 
     def before_run(self, run_context) -> SessionRunArgs | None:
-        self._periodic = self._traces_step(run_context.session.global_step)
+        self._periodic = self._due = self._traces_step(run_context.session.global_step)
         self._capturing = self.watch.pending if self._writes_here else None
         self._wanted = self._periodic or self._capturing is not None
         # a disk slower than the schedule: skip the trace (counted) rather than stall or hold ever more files
@@ -226,6 +226,7 @@ class ProfilerHook(PeriodicHook):
         timer = self._timer
         session = run_context.session
         step = session.global_step
+        self._step_done()
         if self._run_start is None:
             self._run_start = (step - self._run_steps(), time.monotonic())
         self.watch.step_ended(step, run_values.results, self._capturing, self._writes_here, self.output_dir)

@@ -104,7 +104,7 @@ class SummarySaverHook(PeriodicHook):
             timer.last_triggered_step() is None or timer.should_trigger_for_step(global_step + self._run_steps())))
 
     def before_run(self, run_context) -> SessionRunArgs | None:
-        self._request = not self.quiet_on(run_context.session.global_step)
+        self._request = self._due = not self.quiet_on(run_context.session.global_step)
         if not self._request:
             return None
         op = self._get_summary_op()
@@ -113,6 +113,7 @@ class SummarySaverHook(PeriodicHook):
         return SessionRunArgs(fetches=lambda state: op.evaluate(state, self.strict, self._on_error))
 
     def after_run(self, run_context, run_values) -> None:
+        self._step_done()
         if not self._request:
             return
         step = run_context.session.global_step
