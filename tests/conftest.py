@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import inspect
 import os
+import re
 
 os.environ.setdefault("KERAS_BACKEND", "torch")  # before anything imports keras
 
@@ -10,6 +12,42 @@ import pytest
 
 from hookprof import SessionRunArgs, SessionRunHook
 from hookprof.trace.reader import load_trace  # noqa: F401  (tests read traces the way users' tools do)
+
+# Test tiers (`pytest -m unit`, `-m integration`, `-m real_client`; `make test` runs all): a test is
+# `real_client` when it drives a tool or system facility outside Python (Chromium, go tool pprof, a tensorboard
+# server, a tmpfs/ext4/FUSE mount, a PID namespace, a CUDA device), else `integration` when it runs a real
+# Lightning or Keras fit or a child Python process (a script, the CLI), else `unit`. Read from the source of
+# each test and of its fixtures; a test marked with a tier itself keeps it.
+TIERS = ("unit", "integration", "real_client")
+_REAL_CLIENT = re.compile(r"CHROMIUM|chromium|go_pprof|\bgo tool\b|which\(\"go\"\)|tensorboard_server|"
+                          r"serve_tensorboard|\"--logdir\"|Tmpfs|mounted\(|\bext4\b|slow_fs|SlowFs|unshare")
+_REAL_FIT = re.compile(r"\bfit\(|\.fit\(|\w+_fit\(|\bfit_\w+\(|\btrainer\(|Trainer\(|run_fit|ddp_run|"
+                       r"keras_jax_fit|sys\.executable")
+
+
+def _source(function) -> str:
+    try:
+        return inspect.getsource(function)
+    except (OSError, TypeError):
+        return ""
+
+
+def tier_of(item) -> str:
+    """The tier of a test, from its function's source and its fixtures' (a fixture may run the fit)."""
+    fixtures = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
+    source = "\n".join([_source(getattr(item, "function", None))] + [
+        _source(definition.func) for definitions in fixtures.values() for definition in definitions
+        if definition.baseid])  # (the project's own fixtures, not pytest's)
+    if _REAL_CLIENT.search(source):
+        return "real_client"
+    return "integration" if _REAL_FIT.search(source) else "unit"
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        own = [mark.name for mark in item.iter_markers() if mark.name in TIERS]
+        if not own:
+            item.add_marker(getattr(pytest.mark, "real_client" if item.get_closest_marker("cuda") else tier_of(item)))
 
 
 class RecordingHook(SessionRunHook):
