@@ -12,9 +12,7 @@ import glob
 import gzip
 import json
 import os
-import subprocess
-import sys
-import time
+import re
 import urllib.parse
 import urllib.request
 
@@ -27,7 +25,7 @@ from hookprof.trace.reader import load_trace
 from hookprof.tracing import xspace
 from lightning_prof import ProfilerHook
 from tests.lightning_models import TinyModel, loader, trainer
-from tests.test_tensorboard_server import free_port
+from tests.test_tensorboard_server import tensorboard_server
 
 try:
     from xprof.convert import raw_to_tool_data
@@ -185,23 +183,14 @@ def test_xprof_reads_a_keras_fits_traced_step_as_the_timeline_has_it(tmp_dir):
 @needs_xprof
 def test_tensorboard_serves_the_profile_runs_and_their_tools(tmp_dir):
     lightning_fit(tmp_dir, steps=5)
-    port = free_port()
-    tensorboard = os.path.join(os.path.dirname(sys.executable), "tensorboard")
-    server = subprocess.Popen([tensorboard, "--logdir", tmp_dir, "--host", "127.0.0.1", "--port", str(port)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    base = f"http://127.0.0.1:{port}/data/plugin/profile"
-    try:
-        deadline = time.monotonic() + 90
-        while True:
-            try:
-                runs = get_json(base + "/runs")
-                if len(runs) == 2:
-                    break
-            except OSError:
-                pass
-            if server.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"tensorboard did not list the profile runs: {server.stderr.read().decode()[-2000:]}")
-            time.sleep(0.5)
+    found = []
+
+    def listed(base):
+        found[:] = get_json(base + "/data/plugin/profile/runs")
+        return len(found) == 2
+
+    with tensorboard_server(tmp_dir, listed) as base:
+        base, runs = base + "/data/plugin/profile", found
         # each traced step a run, the newest first (xprof sorts the run names, which sort as the steps do)
         assert [run.rsplit("/", 1)[-1] for run in runs] == ["step_0000000004", "step_0000000002"]
         query = urllib.parse.quote(runs[0])
@@ -210,10 +199,24 @@ def test_tensorboard_serves_the_profile_runs_and_their_tools(tmp_dir):
         host = os.uname().nodename
         table = get_json(f"{base}/data?run={query}&tag=framework_op_stats&host={host}")[0]
         assert "TinyModel/fc1/aten::addmm" in {row["operation"] for row in rows(table)}
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
+
+
+@needs_xprof
+def test_the_profile_tab_shows_the_traced_step_in_chromium(tmp_dir):
+    dashboard = pytest.importorskip("tests.test_tensorboard_dashboard")
+    if dashboard.CHROMIUM is None:
+        pytest.skip("no Chromium installed (apt-get install chromium)")
+    hook, _ = lightning_fit(tmp_dir, steps=3)
+    _, spans, _ = timeline_figures(hook.saved_paths[0])
+    ready = lambda base: get_json(base + "/data/plugin/profile/runs")  # noqa: E731
+    frame_text = dashboard.DEEP + ("(() => { const f = deep(document, 'iframe'); const d = f && f.contentDocument; "
+                                   "return d && d.body ? d.body.innerText : ''; })()")
+    with tensorboard_server(tmp_dir, ready) as base, dashboard.chromium_page() as page:
+        page.call("Page.navigate", url=f"{base}/#profile")  # the plugin's page is an iframe of TensorBoard's
+        page.wait_for(frame_text[len(dashboard.DEEP):] + ".includes('Host Compute Time')", 120)
+        text = " ".join(page.js(frame_text).split())
+        dashboard.screenshot(page, os.path.join(tmp_dir, "profile-overview.png"))
+    assert "step_0000000002" in text and "Overview Page" in text
+    shown = {name: float(ms) for name, ms in re.findall(r"(Input|Host Compute) Time \(σ = [^)]*\) ([\d.]+) ms", text)}
+    assert shown == {"Input": round(spans["data_wait"]["dur"] / 1000, 1),
+                     "Host Compute": round(spans["ProfilerStep#2"]["dur"] / 1000, 1)}
