@@ -2,13 +2,12 @@
 time and by memory, with the device listed, as TF's did (skipped where Chromium is not installed)."""
 
 import base64
+import contextlib
 import json
 import os
 import re
 import shutil
-import socket
 import subprocess
-import sys
 import tempfile
 import time
 import urllib.request
@@ -17,6 +16,7 @@ import pytest
 
 from lightning_prof import ProfilerHook
 from tests.lightning_models import TinyModel, loader, trainer
+from tests.test_tensorboard_server import free_port, stop, tensorboard_server
 
 websocket = pytest.importorskip("websocket", reason="websocket-client drives Chromium over CDP")
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
@@ -31,12 +31,6 @@ ALL_TEXT = """(() => { let s = ''; const walk = (node) => { for (const ch of nod
     else if (ch.nodeType === 1 && ch.tagName !== 'NOSCRIPT' && ch.tagName !== 'STYLE') {
       if (ch.shadowRoot) walk(ch.shadowRoot); walk(ch); } } };
   walk(document.body); return s; })()"""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Page:
@@ -69,14 +63,10 @@ class Page:
         pytest.fail(f"the dashboard never showed: {expression}")
 
 
-@pytest.fixture
-def dashboard(tmp_dir):
-    t = trainer(tmp_dir, [ProfilerHook(save_steps=2, show_memory=True)], 4)  # the logger's run dir
-    t.fit(TinyModel(), loader())
-    tb_port, cdp_port = free_port(), free_port()
-    tensorboard = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "tensorboard"), "--logdir", tmp_dir,
-                                    "--host", "127.0.0.1", "--port", str(tb_port)],
-                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+@contextlib.contextmanager
+def chromium_page():
+    """A headless Chromium (always stopped) and its first tab."""
+    cdp_port = free_port()
     chromium = subprocess.Popen([CHROMIUM, "--headless=new", "--no-sandbox", "--disable-gpu",
                                  f"--remote-debugging-port={cdp_port}", f"--user-data-dir={tempfile.mkdtemp()}",
                                  "--window-size=1600,1000", "about:blank"],
@@ -85,26 +75,36 @@ def dashboard(tmp_dir):
         deadline = time.monotonic() + 90
         while True:
             try:
-                runs = json.load(urllib.request.urlopen(f"http://127.0.0.1:{tb_port}/data/runs", timeout=2))
                 targets = json.load(urllib.request.urlopen(f"http://127.0.0.1:{cdp_port}/json", timeout=2))
-                if runs and targets:
+                if targets:
                     break
             except OSError:
                 pass
             if time.monotonic() > deadline:
-                pytest.fail("tensorboard or chromium did not start")
+                pytest.fail("chromium did not start")
             time.sleep(0.5)
-        page = Page(next(t for t in targets if t["type"] == "page")["webSocketDebuggerUrl"])
-        run = os.path.relpath(t.log_dir, tmp_dir)
-        page.call("Page.navigate", url=f"http://127.0.0.1:{tb_port}/#graphs&run={run}")
-        yield page, run
+        yield Page(next(t for t in targets if t["type"] == "page")["webSocketDebuggerUrl"])
     finally:
-        for process in (chromium, tensorboard):
-            process.terminate()
-            try:
-                process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                process.kill()
+        stop(chromium)
+
+
+def screenshot(page: Page, path: str) -> None:
+    """What a person would see, kept for a look."""
+    png = base64.b64decode(page.call("Page.captureScreenshot", format="png")["data"])
+    assert png.startswith(b"\x89PNG") and len(png) > 10_000
+    with open(path, "wb") as f:
+        f.write(png)
+
+
+@pytest.fixture
+def dashboard(tmp_dir):
+    t = trainer(tmp_dir, [ProfilerHook(save_steps=2, show_memory=True)], 4)  # the logger's run dir
+    t.fit(TinyModel(), loader())
+    ready = lambda base: json.load(urllib.request.urlopen(base + "/data/runs", timeout=2))  # noqa: E731
+    with tensorboard_server(tmp_dir, ready) as base, chromium_page() as page:
+        run = os.path.relpath(t.log_dir, tmp_dir)
+        page.call("Page.navigate", url=f"{base}/#graphs&run={run}")
+        yield page, run
 
 
 def legend_for(page: Page, run: str, tag: str, color: str) -> str:
@@ -134,7 +134,4 @@ def test_the_step_graph_colours_by_compute_time_and_memory(dashboard, tmp_dir):
     memory = legend_for(page, run, "step_4", "memory")
     match = re.fullmatch(r"0 B ([\d.]+) (B|KB|MB) Devices included in stats: CPU:0", memory)
     assert match and float(match.group(1)) > 0, memory
-    png = base64.b64decode(page.call("Page.captureScreenshot", format="png")["data"])
-    assert png.startswith(b"\x89PNG") and len(png) > 10_000  # what a person would see, kept for a look
-    with open(os.path.join(tmp_dir, "graphs-memory.png"), "wb") as f:
-        f.write(png)
+    screenshot(page, os.path.join(tmp_dir, "graphs-memory.png"))

@@ -1,5 +1,6 @@
 """A real TensorBoard server (loopback, random free port, bounded wait, always stopped) serves our summaries."""
 
+import contextlib
 import json
 import os
 import socket
@@ -28,6 +29,40 @@ def get_json(url: str):
         return json.loads(response.read())
 
 
+@contextlib.contextmanager
+def tensorboard_server(logdir: str, ready):
+    """A real `tensorboard --logdir` on a free loopback port: yields its base URL once `ready(base)` is true
+    (90 s at most), and is always stopped."""
+    port = free_port()
+    server = subprocess.Popen([TENSORBOARD, "--logdir", logdir, "--host", "127.0.0.1", "--port", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                if ready(base):
+                    break
+            except OSError:
+                pass
+            if server.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"tensorboard did not serve the run: {server.stderr.read().decode()[-2000:]}")
+            time.sleep(0.5)
+        yield base
+    finally:
+        stop(server)
+
+
+def stop(process: subprocess.Popen) -> None:
+    """End a process the test started: asked first, killed after 20 s."""
+    process.terminate()
+    try:
+        process.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
 @pytest.fixture
 def served_run(tmp_dir):
     summary.clear_collection()
@@ -36,30 +71,8 @@ def served_run(tmp_dir):
     t = trainer(tmp_dir, [hook], 5)
     t.fit(TinyModel(), loader())
     summary.clear_collection()
-    port = free_port()
-    server = subprocess.Popen([TENSORBOARD, "--logdir", tmp_dir, "--host", "127.0.0.1", "--port", str(port)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 90
-        while True:
-            try:
-                runs = get_json(base + "/data/runs")
-                if runs:
-                    break
-            except OSError:
-                pass
-            if server.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"tensorboard did not serve the run: {server.stderr.read().decode()[-2000:]}")
-            time.sleep(0.5)
+    with tensorboard_server(tmp_dir, lambda base: get_json(base + "/data/runs")) as base:
         yield base, os.path.relpath(t.log_dir, tmp_dir)
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
 
 
 def test_server_lists_the_run_and_returns_the_scalar_series(served_run):

@@ -2,9 +2,10 @@
 
 `CapturePipeline.submit` takes the step's `RunMetadata` and where its files go, and, off the training thread:
 exports it (the background thread), renders it (`render_step`, in the render worker process where one can run,
-else on the background thread), and writes the timeline and its TensorBoard events (the disk's thread). It
-bounds how many rendered steps wait for the disk (a step due past that is skipped, counted), keeps only the
-newest timelines (`Retention`, keep_last), counts what it could not write and says each failure once.
+else on the background thread), and writes the timeline, its TensorBoard events and its XSpace for TensorBoard's
+Profile tab (the disk's thread). It bounds how many rendered steps wait for the disk (a step due past that is
+skipped, counted), keeps only the newest timelines and profile runs (`Retention`, keep_last), counts what it
+could not write and says each failure once.
 
 Its tuning is a `CaptureOptions`, given to ProfilerHook as `capture=`; nothing here is process-wide state.
 """
@@ -16,6 +17,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import socket
 import tempfile
 import time
 import traceback
@@ -29,6 +31,7 @@ from hookprof.hooks.trigger_watch import CaptureWindow
 from hookprof.step_stats import DeviceStepStats, NodeExecStats, StepStats
 from hookprof.tensorboard.events import EventWriter, SerializedEvent
 from hookprof.trace import format as fmt
+from hookprof.trace import xplane
 from hookprof.trace.writer import ChromeTraceWriter
 from hookprof.tracing import HOST_DEVICE
 
@@ -38,7 +41,7 @@ log = logging.getLogger("hookprof.hooks.profiler_hook")
 # What the render worker imports while the first steps run (`worker.WORKER.start`): `render_step` (pickled by
 # name, so its module), what it converts and renders with, and what its results are made of.
 WORKER_MODULES = ("hookprof.hooks.capture", "hookprof.tracing.kineto_trace", "hookprof.tensorboard.graph",
-                  "tensorboard.compat.proto.event_pb2", "orjson")
+                  "tensorboard.compat.proto.event_pb2", "orjson", "google.protobuf.descriptor_pool")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +65,9 @@ class CaptureOptions:
         write_grace_seconds: how long a full queue is given to free a place first: a disk that keeps up does so
             within moments (the writer thread may only be waiting for the GIL), so only a slow disk ever costs a
             trace. 0: no grace.
+        profile_tab: where the hook writes TensorBoard output (`tensorboard=True`), also write each traced step
+            for TensorBoard's Profile tab (the xprof plugin), as `<output_dir>/plugins/profile/step_<N>/
+            <host>.xplane.pb` (`hookprof.trace.xplane`); the same keep_last applies. False: not.
     """
 
     render_worker: bool = True
@@ -69,6 +75,7 @@ class CaptureOptions:
     render_wait_seconds: float = 10.0
     max_pending_writes: int = 2
     write_grace_seconds: float = 0.05
+    profile_tab: bool = True
 
     def __post_init__(self) -> None:
         owner = type(self).__name__
@@ -76,6 +83,7 @@ class CaptureOptions:
         arguments.check_seconds(owner, "render_timeout_seconds", self.render_timeout_seconds)
         arguments.check_seconds(owner, "render_wait_seconds", self.render_wait_seconds)
         arguments.check_positive_int(owner, "max_pending_writes", self.max_pending_writes)
+        arguments.check_bool(owner, "profile_tab", self.profile_tab)
         grace = self.write_grace_seconds
         if isinstance(grace, bool) or grace != 0:  # (0 is allowed: no grace)
             arguments.check_seconds(owner, "write_grace_seconds", grace)
@@ -83,13 +91,16 @@ class CaptureOptions:
 
 class Retention:
     """keep_last: the newest `keep_last` timelines of a run are kept, older ones removed (`removed` counts them).
-    None keeps all. Only files handed to `retain` (written by its hook, in this run) are ever removed."""
+    None keeps all. Only files handed to `retain` (written by its hook, in this run) are ever removed, by `remove`
+    (`os.remove`; for profile runs, `remove_profile_run`)."""
 
-    def __init__(self, keep_last: int | None, warn_once: WarnOnce | None = None) -> None:
+    def __init__(self, keep_last: int | None, warn_once: WarnOnce | None = None,
+                 remove: Any = os.remove) -> None:
         self.keep_last = keep_last
         self.removed = 0
         self._kept: collections.deque[str] = collections.deque()  # this run's timelines, oldest first
         self._warn_once = warn_once or WarnOnce(log)
+        self._remove = remove
 
     def reset(self) -> None:
         """A new run: the files of the last one are no longer this one's to remove."""
@@ -106,7 +117,7 @@ class Retention:
         while len(kept) > self.keep_last:
             old = kept.popleft()
             try:
-                os.remove(old)
+                self._remove(old)
             except FileNotFoundError:
                 pass  # removed by someone else: nothing to keep or count
             except OSError as err:
@@ -119,7 +130,32 @@ class Retention:
         return gone
 
 
+def remove_profile_run(path: str) -> None:
+    """Remove an `.xplane.pb` hookprof wrote, and what xprof cached from its run (`*.op_stats*.pb`, ...: every
+    other file of the run directory but other hosts' `.xplane.pb`); the directory goes too once empty."""
+    os.remove(path)
+    run = os.path.dirname(path)
+    with contextlib.suppress(OSError):  # (a cache another reader removes or holds open: it is only a cache)
+        for entry in os.scandir(run):
+            if entry.is_file(follow_symlinks=False) and not entry.name.endswith(xplane.XPLANE_SUFFIX):
+                os.remove(entry.path)
+        os.rmdir(run)
+
+
+def profile_run_path(logdir: str, step: int, host: str) -> str:
+    """Where a traced step goes for TensorBoard's Profile tab: `<logdir>/plugins/profile/step_<N>/<host>.xplane.pb`
+    (runs sort by step), or, where that file exists already (a second fit from the same step into the same
+    directory), `step_<N>.1`, `.2`, ...: xprof caches what it read beside each file, so none is ever rewritten."""
+    run = os.path.join(logdir, "plugins", "profile", f"step_{step:010d}")
+    path, again = os.path.join(run, host + xplane.XPLANE_SUFFIX), 0
+    while os.path.lexists(path):
+        again += 1
+        path = os.path.join(f"{run}.{again}", host + xplane.XPLANE_SUFFIX)
+    return path
+
+
 NO_TENSORBOARD = "no tensorboard"
+NO_PROTOBUF = "no protobuf"
 
 
 @dataclasses.dataclass
@@ -133,6 +169,7 @@ class RenderSpec:
     capture: CaptureWindow | None  # the trigger's fire this step was traced for
     tag: str
     events: bool  # whether to build the TensorBoard step graph and run metadata
+    profile_host: str | None = None  # the host name of the step's XSpace for the Profile tab; None: none
 
 
 @dataclasses.dataclass
@@ -146,6 +183,9 @@ class Rendered:
     render_error: str | None = None
     events_error: str | None = None  # NO_TENSORBOARD, or a traceback's text
     graph_seconds: float = 0.0  # building the step graph and run metadata (the benchmarks read it)
+    xspace: bytes | None = None  # the step for TensorBoard's Profile tab (a serialized XSpace)
+    xspace_error: str | None = None  # NO_PROTOBUF, or a traceback's text
+    xspace_seconds: float = 0.0  # building it (the benchmarks read it)
 
 
 def render_step(source: Any, writer: ChromeTraceWriter, spec: RenderSpec) -> Rendered:
@@ -184,6 +224,15 @@ def render_step(source: Any, writer: ChromeTraceWriter, spec: RenderSpec) -> Ren
         else:
             rendered.events = [SerializedEvent(e.SerializeToString()) for e in events]
         rendered.graph_seconds = time.perf_counter() - start
+    if spec.profile_host is not None:
+        start = time.perf_counter()
+        try:
+            rendered.xspace = xplane.step_xspace(stats, spec.profile_host)
+        except ImportError:
+            rendered.xspace_error = NO_PROTOBUF
+        except Exception:  # a bug of ours must not end the training run
+            rendered.xspace_error = traceback.format_exc()
+        rendered.xspace_seconds = time.perf_counter() - start
     return rendered
 
 
@@ -224,7 +273,7 @@ class Job:
     __slots__ = ("step", "run_metadata", "path", "output_dir", "events", "spec")
 
     def __init__(self, step: int, run_metadata: Any, session: Any, path: str, output_dir: str | None, events: Any,
-                 capture: CaptureWindow | None, skipped: int = 0) -> None:
+                 capture: CaptureWindow | None, skipped: int = 0, profile_tab: bool = False) -> None:
         rank, world_size = getattr(session, "rank", 0), getattr(session, "world_size", 1)
         self.step = step
         self.run_metadata = run_metadata
@@ -244,7 +293,11 @@ class Job:
         self.events = events
         # ranks share the run directory: their tags must not collide
         tag = f"step_{step}" if world_size == 1 else f"step_{step}_rank{rank}"
-        self.spec = RenderSpec(step, run_metadata.step, metadata, distributed, capture, tag, events is not None)
+        # ranks are hosts of one profile run (xprof's multi-host view): their file names must not collide
+        host = socket.gethostname() if world_size == 1 else f"{socket.gethostname()}_rank{rank}"
+        profile_host = host if profile_tab and events is not None and output_dir is not None else None
+        self.spec = RenderSpec(step, run_metadata.step, metadata, distributed, capture, tag, events is not None,
+                               profile_host)
 
 
 class CapturePipeline:
@@ -264,6 +317,7 @@ class CapturePipeline:
         self.profiler = profiler
         self._warn_once = warn_once or WarnOnce(log)
         self.retention = Retention(keep_last, self._warn_once)
+        self.profile_retention = Retention(keep_last, self._warn_once, remove_profile_run)  # the Profile tab's runs
         self.dropped_outputs = 0
         self._counts = self if counts is None else counts  # whose `dropped_outputs` counts the failures
         self._saved_paths: list[str] = []
@@ -288,6 +342,7 @@ class CapturePipeline:
     def begin(self) -> None:
         """A new run (the last one's files are flushed first by the hook)."""
         self.retention.reset()
+        self.profile_retention.reset()
 
     def room_to_write(self) -> bool:
         """Whether fewer than max_pending_writes of this pipeline's rendered steps wait for the disk, after giving
@@ -320,7 +375,7 @@ class CapturePipeline:
         none). Converting the step's events and writing them costs as much as torch's profiler stop: it runs on
         the background thread while training goes on (see hookprof._runtime.background)."""
         skipped, self.skipped_since_file = self.skipped_since_file, 0
-        job = Job(step, run_metadata, session, path, output_dir, events, capture, skipped)
+        job = Job(step, run_metadata, session, path, output_dir, events, capture, skipped, self.options.profile_tab)
         self._pending = BACKGROUND.submit(lambda: self.save(job))
         if self.profiler is not None:
             self.profiler.wait_for(self._pending)  # its reports include this step
@@ -432,14 +487,25 @@ class CapturePipeline:
             count_dropped(self._counts)
             self._warn_once("tb:render", "Could not build step_%d for TensorBoard.\n%s", job.step,
                             rendered.events_error)
-        trace, events = rendered.trace, rendered.events
-        if trace is not None or events:
-            self._writes.append(WRITES.submit(lambda: self.store(job, trace, events)))
+        if rendered.xspace_error == NO_PROTOBUF:
+            self._warn_once("no protobuf", "The protobuf package is not installed: traced steps are not written "
+                            "for TensorBoard's Profile tab; pip install protobuf (tensorboard brings it), or pass "
+                            "capture=CaptureOptions(profile_tab=False).")
+        elif rendered.xspace_error is not None:
+            count_dropped(self._counts)
+            self._warn_once("xplane:render", "Could not build step %d for TensorBoard's Profile tab.\n%s", job.step,
+                            rendered.xspace_error)
+        trace, events, xspace = rendered.trace, rendered.events, rendered.xspace
+        if trace is not None or events or xspace is not None:
+            self._writes.append(WRITES.submit(lambda: self.store(job, trace, events, xspace)))
 
-    def store(self, job: Job, trace: Any, events: list[Any] | None) -> None:
-        """On the disk's worker: put a rendered step on disk (the timeline atomically, then its events)."""
+    def store(self, job: Job, trace: Any, events: list[Any] | None, xspace: bytes | None = None) -> None:
+        """On the disk's worker: put a rendered step on disk (the timeline atomically, its events, then its
+        XSpace for the Profile tab, atomically)."""
         if trace is not None:
             self._write_file(job.path, *trace)
+        if xspace is not None and job.output_dir is not None and job.spec.profile_host is not None:
+            self._write_xspace(profile_run_path(job.output_dir, job.step, job.spec.profile_host), xspace)
         if events:
             try:
                 for event in events:
@@ -451,6 +517,19 @@ class CapturePipeline:
                 reason = (err.strerror or str(err)) if isinstance(err, OSError) else type(err).__name__
                 self._warn_once(f"tb:{reason}", "Could not write step_%d to TensorBoard in %s (%s); training goes "
                                 "on without it.", job.step, job.output_dir, reason)
+
+    def _write_xspace(self, path: str, data: bytes) -> None:
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with atomic_write(path) as out:
+                out.write(data)
+        except OSError as err:  # a full disk must not end the training run
+            count_dropped(self._counts)
+            reason = err.strerror or str(err)
+            self._warn_once(f"xplane:{reason}", "Could not write %s for TensorBoard's Profile tab (%s); training "
+                            "goes on without it.", path, reason)
+            return
+        self.profile_retention.retain(path)
 
     def _write_file(self, path: str, data: Any, result: Any) -> None:
         log.info("Saving timeline into '%s'.", path)

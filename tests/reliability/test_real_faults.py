@@ -31,6 +31,8 @@ import keras_prof
 import lightning_prof
 from hookprof import summary
 from hookprof._runtime.private_dir import OWNER_FILE
+from hookprof.trace import xplane
+from hookprof.tracing import xspace
 from tests.conftest import timeline_steps
 from tests.lightning_models import TinyModel, loader
 from tests.reliability.real_disk import Ext4Image, Tmpfs, mounted
@@ -99,7 +101,8 @@ def run_dir(root):
 
 def assert_readable(directory):
     """Every file under `directory` reads whole: timelines as JSON, event files record by record with
-    TensorBoard's loader; no temp file is left."""
+    TensorBoard's loader, the Profile tab's XSpaces as protobuf (their step's events all there); no temp file is
+    left."""
     for folder, _, names in os.walk(directory):
         for name in names:
             path = os.path.join(folder, name)
@@ -109,6 +112,11 @@ def assert_readable(directory):
                     assert json.load(f)["traceEvents"]
             elif name.startswith("events.out.tfevents."):
                 list(EventFileLoader(path).Load())
+            elif name.endswith(xplane.XPLANE_SUFFIX):
+                with open(path, "rb") as f:
+                    space = xspace.parse_xspace(f.read())
+                assert {e.stats[xplane.GROUP_ID] for e in xspace.events(space, frozenset({xplane.GROUP_ID}))} == {
+                    int(os.path.basename(folder).removeprefix("step_"))}
 
 
 def read_events(directory):
@@ -127,9 +135,13 @@ def warnings_of(caplog, prefix):
 
 
 def assert_lost_and_warned(caplog, profiler, saver, out, reason):
-    """Timelines, step graphs and summaries of steps 3-5 lost, counted, and each kind warned once with the
-    path and the reason."""
-    assert profiler.dropped_outputs == 2 * len(LOST) and saver.dropped_outputs == len(LOST)
+    """Timelines, step graphs, Profile tab runs and summaries of steps 3-5 lost, counted, and each kind warned
+    once with the path and the reason."""
+    assert profiler.dropped_outputs == 3 * len(LOST) and saver.dropped_outputs == len(LOST)
+    (profile,) = [w for w in warnings_of(caplog, "Could not write") if "Profile tab" in w]
+    assert "step_0000000003" in profile and reason in profile
+    runs = glob.glob(os.path.join(out, "plugins", "profile", "*", "*" + xplane.XPLANE_SUFFIX))
+    assert sorted(int(os.path.basename(os.path.dirname(r)).removeprefix("step_")) for r in runs) == TIMELINES
     (timeline,) = warnings_of(caplog, "Could not write timeline")
     assert os.path.join(out, "timeline-3.json") in timeline and reason in timeline
     (graphs,) = warnings_of(caplog, "Could not write step_3 to TensorBoard")
