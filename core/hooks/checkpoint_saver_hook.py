@@ -86,6 +86,14 @@ class CheckpointSaverHook(PeriodicHook):
         listeners: `CheckpointSaverListener`s called around every save.
         clock: the seconds clock of the schedule (default: `time.time()`, read at each call); for tests.
         strict: raise a failed save's error out of the callback (ending training) instead of warning.
+
+    Raises:
+        ValueError: neither or both of `save_secs` / `save_steps` (TF's messages), both `saver` and `scaffold`,
+            a `checkpoint_basename` that is not a plain file name, a `checkpoint_dir` that is a file or not
+            writable, a `save_steps` below 1 or `save_secs` not above 0.
+        TypeError: a `checkpoint_dir` that is not a path, a `save_steps` that is not an int, a `saver` that is
+            neither TF's saver nor a callable, `listeners` that are not `CheckpointSaverListener`s, a `strict`
+            that is not a bool.
     """
 
     def __init__(
