@@ -383,7 +383,7 @@ def _ckpt_steps(directory, extension):
 
 def test_lightning_saves_at_tfs_steps_and_fit_resumes_from_a_checkpoint(tmp_dir):
     import lightning_prof
-    from lightning_prof.checkpoint_saver_hook import CheckpointSaverHook as LightningCheckpointSaverHook
+    from lightning_prof import CheckpointSaverHook as LightningCheckpointSaverHook
 
     ckpt_dir = os.path.join(tmp_dir, "ckpt")
     recorder = StepRecorder()
@@ -409,7 +409,7 @@ def test_lightning_saves_at_tfs_steps_and_fit_resumes_from_a_checkpoint(tmp_dir)
 
 
 def test_lightning_full_disk_does_not_end_training(tmp_dir, caplog):
-    from lightning_prof.checkpoint_saver_hook import CheckpointSaverHook as LightningCheckpointSaverHook
+    from lightning_prof import CheckpointSaverHook as LightningCheckpointSaverHook
 
     class FullDisk(atomic_file.FileLayer):
         def replace(self, source, target):
@@ -450,7 +450,7 @@ class WeightsAtSave(CheckpointSaverListener):
 
 def test_keras_saves_at_tfs_steps_and_load_model_resumes_at_its_step(tmp_dir):
     import keras_prof
-    from keras_prof.checkpoint_saver_hook import CheckpointSaverHook as KerasCheckpointSaverHook
+    from keras_prof import CheckpointSaverHook as KerasCheckpointSaverHook
 
     x, y = _keras_data()
     weights = WeightsAtSave()
@@ -520,7 +520,7 @@ def full_tmpfs(tmp_path):
 def test_lightning_user_saver_torch_save_on_a_real_full_disk_does_not_end_training(tmp_dir, full_tmpfs, caplog):
     """torch.save on a full disk raises RuntimeError (PytorchStreamWriter), not OSError: the old code let it
     end the fit."""
-    from lightning_prof.checkpoint_saver_hook import CheckpointSaverHook as LightningCheckpointSaverHook
+    from lightning_prof import CheckpointSaverHook as LightningCheckpointSaverHook
 
     model = TinyModel()
 
@@ -554,7 +554,7 @@ def test_keras_save_with_only_tmpdir_full_names_tmpdir_not_the_checkpoint_dir(tm
     with room, the warning says which directory is full instead of blaming the checkpoint directory."""
     import tempfile
 
-    from keras_prof.checkpoint_saver_hook import CheckpointSaverHook as KerasCheckpointSaverHook
+    from keras_prof import CheckpointSaverHook as KerasCheckpointSaverHook
 
     @keras.saving.register_keras_serializable("hookprof_tests")
     class Vocabulary(keras.layers.Layer):

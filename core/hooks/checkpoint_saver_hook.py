@@ -1,9 +1,8 @@
 """`CheckpointSaverHook` and `CheckpointSaverListener`: checkpoints every N steps or seconds (TF1's hook).
 
 The hook is framework-neutral: what a checkpoint holds and how it is written is the saver's business. The
-adapters (`lightning_prof.checkpoint_saver_hook`, `keras_prof.checkpoint_saver_hook`) give it the
-framework's own checkpointing as its default saver; here a saver is passed in (`saver=`) or set by whoever
-drives the hook (`set_default_saver`).
+adapters (`lightning_prof.callbacks`, `keras_prof.callbacks`) give it the framework's own checkpointing as its
+default saver; here a saver is passed in (`saver=`) or set by whoever drives the hook (`set_default_saver`).
 """
 
 from __future__ import annotations
