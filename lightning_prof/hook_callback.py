@@ -261,21 +261,18 @@ class HookCallback(Callback):
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Any) -> None:
-        if self._driver is None:
-            return
-        STEP_TRACES.mark("backward")
+        if self._driver is not None:
+            STEP_TRACES.mark("backward")
 
     @override
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._driver is None:
-            return
-        STEP_TRACES.mark("after_backward")
+        if self._driver is not None:
+            STEP_TRACES.mark("after_backward")
 
     @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
-        if self._driver is None:
-            return
-        STEP_TRACES.mark("optimizer")
+        if self._driver is not None:
+            STEP_TRACES.mark("optimizer")
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
