@@ -261,21 +261,18 @@ class HookCallback(Callback):
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Any) -> None:
-        if self._driver is None:
-            return
-        self._driver.mark("backward")
+        if self._driver is not None:
+            self._driver.mark("backward")
 
     @override
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._driver is None:
-            return
-        self._driver.mark("after_backward")
+        if self._driver is not None:
+            self._driver.mark("after_backward")
 
     @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
-        if self._driver is None:
-            return
-        self._driver.mark("optimizer")
+        if self._driver is not None:
+            self._driver.mark("optimizer")
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,

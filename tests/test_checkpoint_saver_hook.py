@@ -384,7 +384,7 @@ def _ckpt_steps(directory, extension):
 
 def test_lightning_saves_at_tfs_steps_and_fit_resumes_from_a_checkpoint(tmp_dir):
     import lightning_prof
-    from lightning_prof.checkpoint_saver_hook import CheckpointSaverHook as LightningCheckpointSaverHook
+    from lightning_prof import CheckpointSaverHook as LightningCheckpointSaverHook
 
     ckpt_dir = os.path.join(tmp_dir, "ckpt")
     recorder = StepRecorder()
@@ -410,7 +410,7 @@ def test_lightning_saves_at_tfs_steps_and_fit_resumes_from_a_checkpoint(tmp_dir)
 
 
 def test_lightning_full_disk_does_not_end_training(tmp_dir, caplog):
-    from lightning_prof.checkpoint_saver_hook import CheckpointSaverHook as LightningCheckpointSaverHook
+    from lightning_prof import CheckpointSaverHook as LightningCheckpointSaverHook
 
     class FullDisk(atomic_file.FileLayer):
         def replace(self, source, target):
@@ -451,7 +451,7 @@ class WeightsAtSave(CheckpointSaverListener):
 
 def test_keras_saves_at_tfs_steps_and_load_model_resumes_at_its_step(tmp_dir):
     import keras_prof
-    from keras_prof.checkpoint_saver_hook import CheckpointSaverHook as KerasCheckpointSaverHook
+    from keras_prof import CheckpointSaverHook as KerasCheckpointSaverHook
 
     x, y = _keras_data()
     weights = WeightsAtSave()
@@ -521,7 +521,7 @@ def full_tmpfs(tmp_path):
 def test_lightning_user_saver_torch_save_on_a_real_full_disk_does_not_end_training(tmp_dir, full_tmpfs, caplog):
     """torch.save on a full disk raises RuntimeError (PytorchStreamWriter), not OSError: the old code let it
     end the fit."""
-    from lightning_prof.checkpoint_saver_hook import CheckpointSaverHook as LightningCheckpointSaverHook
+    from lightning_prof import CheckpointSaverHook as LightningCheckpointSaverHook
 
     model = TinyModel()
 
@@ -555,7 +555,7 @@ def test_keras_save_with_only_tmpdir_full_names_tmpdir_not_the_checkpoint_dir(tm
     with room, the warning says which directory is full instead of blaming the checkpoint directory."""
     import tempfile
 
-    from keras_prof.checkpoint_saver_hook import CheckpointSaverHook as KerasCheckpointSaverHook
+    from keras_prof import CheckpointSaverHook as KerasCheckpointSaverHook
 
     @keras.saving.register_keras_serializable("hookprof_tests")
     class Vocabulary(keras.layers.Layer):
@@ -592,7 +592,7 @@ def test_a_resumed_run_keeps_the_schedules_whatever_the_order_of_the_callbacks(t
     """A checkpoint written by CheckpointSaverHook in a step is taken before the later callbacks' after_run of
     that step: their saved schedules must still be the ones they have after it (TF's saver ran after the step)."""
     import lightning_prof
-    from lightning_prof.checkpoint_saver_hook import CheckpointSaverHook as LightningCheckpointSaverHook
+    from lightning_prof import CheckpointSaverHook as LightningCheckpointSaverHook
 
     def run(out, max_steps, ckpt_path=None):
         profiler = lightning_prof.ProfilerHook(save_steps=4, output_dir=os.path.join(tmp_dir, out),
@@ -630,7 +630,7 @@ def test_a_resumed_run_keeps_the_schedules_whatever_the_order_of_the_callbacks(t
 def test_tampered_hook_state_in_a_checkpoint_is_said_once_and_the_schedule_starts_afresh(tmp_dir, caplog, tamper,
                                                                                        why):
     import lightning_prof
-    from lightning_prof.checkpoint_saver_hook import CheckpointSaverHook as LightningCheckpointSaverHook
+    from lightning_prof import CheckpointSaverHook as LightningCheckpointSaverHook
 
     def run(out, max_steps, ckpt_path=None):
         profiler = lightning_prof.ProfilerHook(save_steps=4, output_dir=os.path.join(tmp_dir, out),

@@ -264,7 +264,7 @@ def counting_feed():
 
 
 def test_lightning_feeds_reach_training_step_and_dict_batches(tmp_dir):
-    from lightning_prof.feed_hooks import FeedFnHook as LFeed
+    from lightning_prof import FeedFnHook as LFeed
 
     feed_fn, calls = counting_feed()
     model = DictModel()
@@ -277,8 +277,8 @@ def test_lightning_feeds_reach_training_step_and_dict_batches(tmp_dir):
 
 
 def test_lightning_gradient_accumulation_feeds_once_per_step_into_every_micro_batch(tmp_dir):
+    from lightning_prof import FeedFnHook as LFeed
     from lightning_prof import HookCallback
-    from lightning_prof.feed_hooks import FeedFnHook as LFeed
 
     feed_fn, calls = counting_feed()
     model = DictModel()
@@ -291,7 +291,7 @@ def test_lightning_gradient_accumulation_feeds_once_per_step_into_every_micro_ba
 
 
 def test_lightning_tuple_batches_read_step_feeds_and_into_batch_true_fails_clearly(tmp_dir):
-    from lightning_prof.feed_hooks import FeedFnHook as LFeed
+    from lightning_prof import FeedFnHook as LFeed
 
     seen = []
 
@@ -310,7 +310,7 @@ def test_lightning_tuple_batches_read_step_feeds_and_into_batch_true_fails_clear
 
 
 def test_lightning_waiter_passes_when_resumed_past_the_step_and_is_quiet(tmp_dir):
-    from lightning_prof.feed_hooks import GlobalStepWaiterHook as LWait
+    from lightning_prof import GlobalStepWaiterHook as LWait
 
     cb = LWait(wait_until_step=0, sleep=pytest.fail)
     trainer(tmp_dir, [cb], max_steps=3).fit(TinyModel(), loader())
@@ -334,8 +334,8 @@ class FeedSequential(keras.Sequential):
 
 
 def test_keras_step_feeds_are_visible_inside_train_step():
-    from keras_prof.feed_hooks import FeedFnHook as KFeed
-    from keras_prof.feed_hooks import GlobalStepWaiterHook as KWait
+    from keras_prof import FeedFnHook as KFeed
+    from keras_prof import GlobalStepWaiterHook as KWait
 
     keras.utils.set_random_seed(0)
     m = FeedSequential([keras.Input((8,)), keras.layers.Dense(1)])

@@ -77,8 +77,12 @@ def test_wheel_contents(installed):
                     "hookprof/trace/", "hookprof/tracing/", "lightning_prof/", "keras_prof/"):
         assert f"{package}__init__.py" in names, (package, names)
     assert "hookprof/hooks/profiler_hook.py" in names, names
-    assert "lightning_prof/profiler_hook.py" in names, names
-    assert "keras_prof/profiler_hook.py" in names, names
+    assert "lightning_prof/callbacks.py" in names, names
+    assert "keras_prof/callbacks.py" in names, names
+    # what type checkers read: the callbacks' stubs (their classes are made at import) and PEP 561's markers
+    for typed in ("hookprof/py.typed", "lightning_prof/py.typed", "keras_prof/py.typed", "lightning_prof/callbacks.pyi",
+                  "keras_prof/callbacks.pyi"):
+        assert typed in names, (typed, names)
 
     # `packages` in pyproject.toml is an explicit list: every module of the three folders must have made it in.
     for folder, package in (("core", "hookprof"), ("lightning_prof", "lightning_prof"), ("keras_prof", "keras_prof")):

@@ -4,7 +4,7 @@ Every module of `core/` (installed as `hookprof`) belongs to a part: a subpackag
 top-level module (`step_stats`, `triggers`, ...). The parts stand in layers, the top one first; a part imports
 only itself and the parts of the layers below its own:
 
-    layer 5  cli                                               the `hookprof` command line
+    layer 5  adapter_exports, cli                              what the adapters re-export; the `hookprof` command line
     layer 4  hooks                                             the driver (HookedSession) and the TF hook family
     layer 3  profiler, summary, triggers                       what hooks are handed: tfprof, summaries, triggers
     layer 2  tensorboard, tracing                              event files and step graphs; the tracers

@@ -274,8 +274,8 @@ def loss_of(message):
 
 
 def test_lightning_fit_logs_the_loss_at_the_right_iterations(tmp_dir, caplog):
+    from lightning_prof import LoggingTensorHook as LightningLoggingTensorHook
     from lightning_prof.hook_callback import HookCallback
-    from lightning_prof.logging_tensor_hook import LoggingTensorHook as LightningLoggingTensorHook
     from tests.lightning_models import TinyModel, loader, trainer
 
     losses = RecordingHook(fetches={"loss": "loss", "step": "global_step"})
@@ -290,7 +290,7 @@ def test_lightning_fit_logs_the_loss_at_the_right_iterations(tmp_dir, caplog):
 
 
 def test_lightning_fit_logs_a_logged_metric_every_n_secs(tmp_dir, caplog):
-    from lightning_prof.logging_tensor_hook import LoggingTensorHook as LightningLoggingTensorHook
+    from lightning_prof import LoggingTensorHook as LightningLoggingTensorHook
     from tests.lightning_models import TinyModel, loader, trainer
 
     hook = LightningLoggingTensorHook(["train_loss"], every_n_secs=3600)
@@ -301,7 +301,7 @@ def test_lightning_fit_logs_a_logged_metric_every_n_secs(tmp_dir, caplog):
 
 
 def test_two_lightning_hooks_with_other_tensors_in_one_fit(tmp_dir, caplog):
-    from lightning_prof.logging_tensor_hook import LoggingTensorHook as LightningLoggingTensorHook
+    from lightning_prof import LoggingTensorHook as LightningLoggingTensorHook
     from tests.lightning_models import TinyModel, loader, trainer
 
     hooks = [LightningLoggingTensorHook(["loss"], every_n_iter=2),
@@ -312,8 +312,8 @@ def test_two_lightning_hooks_with_other_tensors_in_one_fit(tmp_dir, caplog):
 
 
 def test_keras_fit_logs_the_loss_at_the_right_iterations(tmp_dir, caplog, monkeypatch):
+    from keras_prof import LoggingTensorHook as KerasLoggingTensorHook
     from keras_prof.hook_callback import HookCallback
-    from keras_prof.logging_tensor_hook import LoggingTensorHook as KerasLoggingTensorHook
     from tests.test_keras_prof import fit, model
 
     monkeypatch.chdir(tmp_dir)

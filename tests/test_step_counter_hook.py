@@ -254,8 +254,8 @@ def tensor_series(logdir, tag):
 
 
 def test_lightning_fit_writes_steps_per_second_into_the_logger_run_dir(tmp_dir, caplog):
+    from lightning_prof import StepCounterHook as LightningStepCounterHook
     from lightning_prof.hook_callback import HookCallback
-    from lightning_prof.step_counter_hook import StepCounterHook as LightningStepCounterHook
     from tests.lightning_models import TinyModel, loader, trainer
 
     steps = RecordingHook(fetches="global_step")
@@ -277,7 +277,7 @@ def test_lightning_fit_writes_steps_per_second_into_the_logger_run_dir(tmp_dir, 
 def test_lightning_fit_with_the_logger_as_summary_writer_and_batch_size(tmp_dir):
     from lightning.pytorch.loggers import TensorBoardLogger
 
-    from lightning_prof.step_counter_hook import StepCounterHook as LightningStepCounterHook
+    from lightning_prof import StepCounterHook as LightningStepCounterHook
     from tests.lightning_models import TinyModel, loader, trainer
 
     logger = TensorBoardLogger(os.path.join(tmp_dir, "tb"), name="run")
@@ -290,7 +290,7 @@ def test_lightning_fit_with_the_logger_as_summary_writer_and_batch_size(tmp_dir)
 
 
 def test_keras_fit_writes_steps_per_second_into_logs_train(tmp_dir, monkeypatch, caplog):
-    from keras_prof.step_counter_hook import StepCounterHook as KerasStepCounterHook
+    from keras_prof import StepCounterHook as KerasStepCounterHook
     from tests.test_keras_prof import fit, model
 
     monkeypatch.chdir(tmp_dir)

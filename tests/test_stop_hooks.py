@@ -243,7 +243,7 @@ def _ended(hook):
 
 
 def test_lightning_stop_at_step(tmp_dir):
-    from lightning_prof.stop_hooks import StopAtStepHook as LStop
+    from lightning_prof import StopAtStepHook as LStop
     from tests.lightning_models import TinyModel, loader, trainer
 
     cb = LStop(last_step=5)
@@ -263,7 +263,7 @@ def test_lightning_stop_at_step(tmp_dir):
 
 
 def test_lightning_nan_stop_ends_cleanly_after_the_nan_step(tmp_dir, caplog):
-    from lightning_prof.stop_hooks import NanTensorHook as LNan
+    from lightning_prof import NanTensorHook as LNan
     from tests.lightning_models import loader, trainer
 
     cb = LNan("loss", fail_on_nan_loss=False)
@@ -282,8 +282,8 @@ def test_lightning_nan_stop_ends_cleanly_after_the_nan_step(tmp_dir, caplog):
 def test_lightning_nan_failure_fails_fit_and_stops_the_trace(tmp_dir):
     import os
 
+    from lightning_prof import NanTensorHook as LNan
     from lightning_prof import ProfilerHook
-    from lightning_prof.stop_hooks import NanTensorHook as LNan
     from tests.lightning_models import loader, trainer
 
     cb = LNan("loss")
@@ -299,7 +299,7 @@ def test_lightning_nan_failure_fails_fit_and_stops_the_trace(tmp_dir):
 
 
 def test_lightning_final_ops_after_fit(tmp_dir):
-    from lightning_prof.stop_hooks import FinalOpsHook as LFinal
+    from lightning_prof import FinalOpsHook as LFinal
     from tests.lightning_models import TinyModel, loader, trainer
 
     cb = LFinal({"loss": "loss", "logged": "train_loss", "step": "global_step",
@@ -316,9 +316,9 @@ def test_lightning_final_ops_after_fit(tmp_dir):
 
 
 def test_lightning_callbacks_of_one_class_with_other_settings_share_a_trainer(tmp_dir):
-    from lightning_prof.stop_hooks import FinalOpsHook as LFinal
-    from lightning_prof.stop_hooks import NanTensorHook as LNan
-    from lightning_prof.stop_hooks import StopAtStepHook as LStop
+    from lightning_prof import FinalOpsHook as LFinal
+    from lightning_prof import NanTensorHook as LNan
+    from lightning_prof import StopAtStepHook as LStop
     from tests.lightning_models import TinyModel, loader, trainer
 
     def weight_sum(step):
@@ -366,7 +366,7 @@ def keras_fit(m, callbacks, epochs=2, n=48):
 
 
 def test_keras_stop_at_step():
-    from keras_prof.stop_hooks import StopAtStepHook as KStop
+    from keras_prof import StopAtStepHook as KStop
 
     m = keras_model()
     cb = KStop(last_step=4)
@@ -385,7 +385,7 @@ def test_keras_stop_at_step():
 
 def test_keras_nan_stop_ends_cleanly_after_the_nan_step(caplog):
     from keras_prof import HookCallback
-    from keras_prof.stop_hooks import NanTensorHook as KNan
+    from keras_prof import NanTensorHook as KNan
 
     m = keras_model(nan_at=3)
     cb = KNan("loss", fail_on_nan_loss=False)
@@ -399,9 +399,9 @@ def test_keras_nan_stop_ends_cleanly_after_the_nan_step(caplog):
 
 
 def test_keras_nan_failure_fails_fit_stops_the_trace_and_restores_the_model(tmp_dir):
+    from keras_prof import NanTensorHook as KNan
     from keras_prof import ProfilerHook
     from keras_prof.hook_callback import _TrainStepWatch
-    from keras_prof.stop_hooks import NanTensorHook as KNan
 
     m = keras_model(nan_at=2)
     cb = KNan("loss")
@@ -421,7 +421,7 @@ def test_keras_nan_failure_fails_fit_stops_the_trace_and_restores_the_model(tmp_
 
 
 def test_keras_final_ops_after_fit():
-    from keras_prof.stop_hooks import FinalOpsHook as KFinal
+    from keras_prof import FinalOpsHook as KFinal
 
     m = keras_model()
     cb = KFinal({"loss": "loss", "step": "global_step", "kernel": lambda s: keras.ops.convert_to_numpy(

@@ -11,19 +11,12 @@ from hookprof.hooks.logging_tensor_hook import LoggingTensorHook
 from hookprof.hooks.nan_tensor_hook import NanLossDuringTrainingError, NanTensorHook
 from hookprof.hooks.profiler_hook import ProfilerHook
 from hookprof.hooks.session import ManualSession, Session, StepState
-from hookprof.hooks.session_run_hook import (
-    RunMetadata,
-    RunOptions,
-    SessionRunArgs,
-    SessionRunContext,
-    SessionRunHook,
-    SessionRunValues,
-    TraceLevel,
-)
+from hookprof.hooks.session_run_hook import SessionRunArgs, SessionRunContext, SessionRunHook, SessionRunValues
 from hookprof.hooks.step_counter_hook import StepCounterHook
 from hookprof.hooks.stop_at_step_hook import StopAtStepHook
 from hookprof.hooks.summary_saver_hook import SummarySaverHook
 from hookprof.hooks.timer import NeverTriggerTimer, SecondOrStepTimer
+from hookprof.run_options import RunMetadata, RunOptions, TraceLevel
 
 __all__ = [
     "CaptureOptions", "CheckpointSaverHook", "CheckpointSaverListener", "FeedFnHook", "FinalOpsHook",

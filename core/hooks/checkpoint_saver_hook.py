@@ -1,9 +1,8 @@
 """`CheckpointSaverHook` and `CheckpointSaverListener`: checkpoints every N steps or seconds (TF1's hook).
 
 The hook is framework-neutral: what a checkpoint holds and how it is written is the saver's business. The
-adapters (`lightning_prof.checkpoint_saver_hook`, `keras_prof.checkpoint_saver_hook`) give it the
-framework's own checkpointing as its default saver; here a saver is passed in (`saver=`) or set by whoever
-drives the hook (`set_default_saver`).
+adapters (`lightning_prof.callbacks`, `keras_prof.callbacks`) give it the framework's own checkpointing as its
+default saver; here a saver is passed in (`saver=`) or set by whoever drives the hook (`set_default_saver`).
 """
 
 from __future__ import annotations
@@ -86,6 +85,14 @@ class CheckpointSaverHook(PeriodicHook):
         listeners: `CheckpointSaverListener`s called around every save.
         clock: the seconds clock of the schedule (default: `time.time()`, read at each call); for tests.
         strict: raise a failed save's error out of the callback (ending training) instead of warning.
+
+    Raises:
+        ValueError: neither or both of `save_secs` / `save_steps` (TF's messages), both `saver` and `scaffold`,
+            a `checkpoint_basename` that is not a plain file name, a `checkpoint_dir` that is a file or not
+            writable, a `save_steps` below 1 or `save_secs` not above 0.
+        TypeError: a `checkpoint_dir` that is not a path, a `save_steps` that is not an int, a `saver` that is
+            neither TF's saver nor a callable, `listeners` that are not `CheckpointSaverListener`s, a `strict`
+            that is not a bool.
     """
 
     def __init__(

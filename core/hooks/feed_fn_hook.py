@@ -26,6 +26,9 @@ class FeedFnHook(SessionRunHook):
               hook and what to do instead.
             - False: only `hookprof.step_feeds()`.
 
+    Raises:
+        TypeError: a `feed_fn` that is not callable, an `into_batch` other than None, True or False.
+
     Timing and rules are TF's: `feed_fn` runs in every `before_run` (never skipped: the hook is never
     quiet) and returns `SessionRunArgs(fetches=None, feed_dict=feed_fn())`; the values are visible through
     `hookprof.step_feeds()` while that step runs. Feeding a name the step's own arguments carry (`"batch"`,

@@ -39,6 +39,10 @@ class FinalOpsHook(SessionRunHook):
         final_ops_feed_dict: names to values that the fetches can read, while they are evaluated, through
             `hookprof.step_feeds()` (TF: the feed dict of the final `session.run`).
 
+    Raises:
+        TypeError: `final_ops` that are not fetches (names, callables, and dicts / lists of them), a
+            `final_ops_feed_dict` that is not a dict.
+
     `end()` runs on a clean finish or a requested stop, not after a failure, so `final_ops_values` stays None
     when training fails. When no step finished before `end()` (a fit that ran none, a resume at its last step),
     TF still ran the final ops on the graph's current state: here they are evaluated on a state with no step

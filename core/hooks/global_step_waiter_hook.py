@@ -34,6 +34,9 @@ class GlobalStepWaiterHook(SessionRunHook):
         sleep: optional (not in TF): what waits between polls; None (the default) is `time.sleep`, looked up at
             each poll, so a test's `mock.patch.object(time, "sleep", ...)` (TF's own tests do this) reaches it.
 
+    Raises:
+        TypeError: a `wait_until_step` that is not an int, a `global_step_fn` or `sleep` that is not callable.
+
     Timing and messages are TF's: in the first `before_run` (of each fit: `begin` resets it), unless
     `wait_until_step <= 0`, it logs `"Waiting for global step %d before starting training."` once, then polls
     the global step every 0.5 s until it is `>= wait_until_step`, logging `"Waiting for global step %d before

@@ -35,6 +35,12 @@ class LoggingTensorHook(SessionRunHook):
         formatter: a function of the dict tag -> value returning the text to log instead of the default.
         clock: the seconds clock (default: `time.time()`, read at each call); for tests.
 
+    Raises:
+        ValueError: no schedule (neither `at_end` nor one of `every_n_iter` / `every_n_secs`; TF's message), both,
+            or an `every_n_iter` below 1.
+        TypeError: `tensors` that are not a dict of tag -> fetch or a list of names, tags that are not strings, a
+            `formatter` that is not callable.
+
     Example::
 
         trainer = Trainer(callbacks=[LoggingTensorHook({"loss": "loss"}, every_n_iter=100)])

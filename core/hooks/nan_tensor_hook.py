@@ -33,6 +33,9 @@ class NanTensorHook(SessionRunHook):
             `NanLossDuringTrainingError` ("NaN loss during training."), which fails the fit (no `end()`).
             False: log the same message as a WARNING and request a stop, so training ends cleanly after that
             step and `end()` runs.
+
+    Raises:
+        TypeError: a `loss_tensor` that is not a fetch, a `fail_on_nan_loss` that is not a bool.
     """
 
     def __init__(self, loss_tensor: Any, fail_on_nan_loss: bool = True) -> None:

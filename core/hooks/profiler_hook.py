@@ -73,6 +73,15 @@ class ProfilerHook(PeriodicHook):
             worker or not, its timeout, how many rendered steps may wait for the disk and for how long). None:
             the defaults, `CaptureOptions()`.
 
+    Raises:
+        ValueError: no schedule (neither `save_steps` nor `save_secs`, and no `triggers`) or both, a count or cap
+            out of its range (`save_steps=0`, `capture_steps=0`, `keep_last=0`, `max_events=0`), the same trigger
+            listed twice, an `output_dir` that is a file or not writable.
+        TypeError: an argument of the wrong kind: a count that is not an int, a flag that is not a bool, an
+            `output_dir` that is not a path, `ranks` that are not rank numbers, `triggers` that are not
+            `hookprof.triggers`, a `profiler` that is not a `hookprof.profiler.Profiler`, a `capture` that is not
+            `CaptureOptions`.
+
     Example::
 
         from lightning_prof import ProfilerHook

@@ -43,6 +43,12 @@ class StepCounterHook(SessionRunHook):
         batch_size: (not in TF) examples per global step; when given, `examples/sec` is logged and written too.
         clock: the seconds clock (default: `time.time()`, read at each call); for tests.
 
+    Raises:
+        ValueError: neither or both of `every_n_steps` / `every_n_secs` (TF's message), a count below 1 or seconds
+            not above 0, an `output_dir` that is a file or not writable.
+        TypeError: a count that is not an int, an `output_dir` that is not a path, a `summary_writer` that is not
+            a writer.
+
     Only rank 0 writes summaries under distributed training; every rank logs, as every TF worker did.
     Each run (`begin`) starts the count again.
     """

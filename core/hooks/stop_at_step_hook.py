@@ -18,6 +18,11 @@ class StopAtStepHook(SessionRunHook):
             at 50.
         last_step: the global step after which to stop.
 
+    Raises:
+        ValueError: neither or both of `num_steps` / `last_step` (TF's messages), a `num_steps` below 1 or a
+            negative `last_step`.
+        TypeError: a step that is not an int.
+
     Exactly one must be given: otherwise `ValueError("One of num_steps or last_step must be specified.")` or
     `ValueError("Only one of num_steps or last_step can be specified.")`, TF's messages.
 

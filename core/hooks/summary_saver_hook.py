@@ -39,6 +39,14 @@ class SummarySaverHook(PeriodicHook):
             summary and the step, and training goes on.
         clock: the seconds clock of the schedule (default: `time.time()`, read at each call); for tests.
 
+    Raises:
+        ValueError: neither or both of `scaffold` / `summary_op` (TF's message), neither or both of `save_steps` /
+            `save_secs`, a `save_steps` below 1 or `save_secs` not above 0, an `output_dir` that is a file or not
+            writable.
+        TypeError: a `scaffold` that is not a `Scaffold`, a `summary_op` that is not a summary op (a collection
+            key must be `summary.CollectionSummary(key)`), an `output_dir` that is not a path, a `summary_writer`
+            that is not a writer, a `save_steps` that is not an int, a `strict` that is not a bool.
+
     Example::
 
         summary.scalar("loss", lambda step: step.outputs["loss"])

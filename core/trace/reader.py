@@ -29,29 +29,20 @@ class TimelineError(ValueError):
         return f"{self.path}: {self.problem}"
 
 
+_OS_PROBLEMS = ((FileNotFoundError, "no such file"), (IsADirectoryError, "is a directory"),
+                (PermissionError, "permission denied"))
+_JSON_KINDS = ((dict, "a JSON object"), (list, "a JSON list"), (str, "a JSON string"), (type(None), "JSON null"))
+
+
 def os_problem(err: OSError) -> str:
     """What stops a file from being read, in a few words: `no such file`, `is a directory`, ..."""
-    if isinstance(err, FileNotFoundError):
-        return "no such file"
-    if isinstance(err, IsADirectoryError):
-        return "is a directory"
-    if isinstance(err, PermissionError):
-        return "permission denied"
-    return f"cannot read ({err.strerror or err})"
+    return next((text for kind, text in _OS_PROBLEMS if isinstance(err, kind)), f"cannot read ({err.strerror or err})")
 
 
 def _json_kind(value: object) -> str:
-    if isinstance(value, dict):
-        return "a JSON object"
-    if isinstance(value, list):
-        return "a JSON list"
-    if isinstance(value, str):
-        return "a JSON string"
     if isinstance(value, bool):
         return f"JSON {str(value).lower()}"
-    if value is None:
-        return "JSON null"
-    return "a JSON number"
+    return next((text for kind, text in _JSON_KINDS if isinstance(value, kind)), "a JSON number")
 
 
 MAX_BYTES = 512 << 20  # the most a timeline may hold (uncompressed): hookprof's own are far smaller
