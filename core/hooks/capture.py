@@ -480,24 +480,25 @@ class CapturePipeline:
             count_dropped(self._counts)
             self._warn_once("render", "Could not render timeline %s; training goes on without it.\n%s", job.path,
                             rendered.render_error)
-        if rendered.events_error == NO_TENSORBOARD:
-            self._warn_once("no tensorboard", "The tensorboard package is not installed: timelines are written "
-                            "but not the step_N graphs; pip install tensorboard, or pass tensorboard=False.")
-        elif rendered.events_error is not None:
-            count_dropped(self._counts)
-            self._warn_once("tb:render", "Could not build step_%d for TensorBoard.\n%s", job.step,
-                            rendered.events_error)
-        if rendered.xspace_error == NO_PROTOBUF:
-            self._warn_once("no protobuf", "The protobuf package is not installed: traced steps are not written "
-                            "for TensorBoard's Profile tab; pip install protobuf (tensorboard brings it), or pass "
-                            "capture=CaptureOptions(profile_tab=False).")
-        elif rendered.xspace_error is not None:
-            count_dropped(self._counts)
-            self._warn_once("xplane:render", "Could not build step %d for TensorBoard's Profile tab.\n%s", job.step,
-                            rendered.xspace_error)
+        self._said_missing(rendered.events_error, NO_TENSORBOARD, "tb:render", "step_%d for TensorBoard", job.step,
+                           "The tensorboard package is not installed: timelines are written but not the step_N "
+                           "graphs; pip install tensorboard, or pass tensorboard=False.")
+        self._said_missing(rendered.xspace_error, NO_PROTOBUF, "xplane:render", "step %d for TensorBoard's Profile "
+                           "tab", job.step, "The protobuf package is not installed: traced steps are not written "
+                           "for TensorBoard's Profile tab; pip install protobuf (tensorboard brings it), or pass "
+                           "capture=CaptureOptions(profile_tab=False).")
         trace, events, xspace = rendered.trace, rendered.events, rendered.xspace
         if trace is not None or events or xspace is not None:
             self._writes.append(WRITES.submit(lambda: self.store(job, trace, events, xspace)))
+
+    def _said_missing(self, error: str | None, missing: str, key: str, what: str, step: int, install: str) -> None:
+        """One output of a rendered step failed: `missing` (its package is not installed) is said once as
+        `install`; any other error is counted and said once."""
+        if error == missing:
+            self._warn_once(f"{key}:missing", install)
+        elif error is not None:
+            count_dropped(self._counts)
+            self._warn_once(key, f"Could not build {what}.\n%s", step, error)
 
     def store(self, job: Job, trace: Any, events: list[Any] | None, xspace: bytes | None = None) -> None:
         """On the disk's worker: put a rendered step on disk (the timeline atomically, its events, then its
