@@ -25,41 +25,40 @@ from typing import Any
 
 import orjson
 
+from hookprof._runtime.inflate import InflateRefused, inflate
 from hookprof.profiler.profile_data import N_FIGURES, NodeData, ProfileData, StepSummary
 
 MAGIC = b"HOOKPROF-PROFILE"
 VERSION = 1
 DEFAULT_MAX_BYTES = 1 << 30  # 1 GiB of uncompressed profile
-DEFAULT_MAX_RATIO = 200  # zlib'd JSON inflates ~10:1; a bomb of zeros ~1000:1 ...
-_RATIO_FREE = 16 << 20  # ... checked once past this much output
-_CHUNK = 1 << 20
+DEFAULT_MAX_RATIO = 200  # zlib'd JSON inflates ~10:1; a bomb of zeros ~1000:1 (judged past 16 MiB)
 _HEADER = struct.Struct("<IQ")
 
 
 def _inflate(data: memoryview, size: int, max_ratio: float) -> bytes:
-    """At most `size` + 1 bytes of the zlib stream `data`, a MiB at a time, refused as soon as the output
-    outgrows `max_ratio` times the input consumed (past the first 16 MiB): a declared size under the cap
-    whose data is a bomb costs a few MiB, not the declared size, before it is refused."""
-    inflater, out, total, fed = zlib.decompressobj(), [], 0, 0
-    pending = b""
+    """At most `size` bytes of the zlib stream `data`, refused as soon as the output outgrows `max_ratio` times
+    the input consumed (past the first 16 MiB): a declared size under the cap whose data is a bomb costs a few
+    MiB, not the declared size, before it is refused."""
+    offset = 0
+
+    def read(n: int) -> memoryview:
+        nonlocal offset
+        chunk = data[offset:offset + n]
+        offset += len(chunk)
+        return chunk
+
     try:
-        while total <= size and not inflater.eof:
-            if not pending:
-                if fed >= len(data):
-                    break
-                pending, fed = data[fed:fed + _CHUNK], min(len(data), fed + _CHUNK)
-            chunk = inflater.decompress(pending, min(_CHUNK, size + 1 - total))
-            pending = inflater.unconsumed_tail
-            total += len(chunk)
-            out.append(chunk)
-            if total > _RATIO_FREE and total > max_ratio * (fed - len(pending)):
-                raise ProfileFormatError(f"the profile's data inflates over {max_ratio:g}:1 (a decompression "
-                                         "bomb; serialize.loads(max_ratio=) reads it anyway).")
+        payload, ended = inflate(read, gzip=False, limit=size, max_ratio=max_ratio)
+    except InflateRefused as err:
+        if err.kind == "ratio":
+            raise ProfileFormatError(f"the profile's data inflates over {max_ratio:g}:1 (a decompression bomb; "
+                                     "serialize.loads(max_ratio=) reads it anyway).") from None
+        raise ProfileFormatError("the profile is truncated or its size does not match its header.") from None
     except zlib.error as err:
         raise ProfileFormatError(f"the profile's data is corrupt ({err}).") from None
-    if not inflater.eof:
+    if not ended:
         raise ProfileFormatError("the profile is truncated or its size does not match its header.")
-    return b"".join(out)
+    return payload
 
 
 class ProfileFormatError(ValueError):

@@ -14,6 +14,7 @@ import zlib
 
 import orjson
 
+from hookprof._runtime.inflate import InflateRefused, inflate
 from hookprof.step_stats import AllocatorSample, DataEdge, NodeExecStats, StepStats, TensorAllocation, TensorDescription
 from hookprof.trace import format as fmt
 
@@ -46,9 +47,7 @@ def _json_kind(value: object) -> str:
 
 
 MAX_BYTES = 512 << 20  # the most a timeline may hold (uncompressed): hookprof's own are far smaller
-MAX_RATIO = 200  # the most a .gz timeline may inflate per byte (JSON gzips ~10:1; a bomb ~1000:1) ...
-_RATIO_FREE = 16 << 20  # ... once past this much output
-_CHUNK = 1 << 20
+MAX_RATIO = 200  # the most a .gz timeline may inflate per byte (JSON gzips ~10:1; a bomb ~1000:1), past 16 MiB
 MAX_MICROS = 1e17  # a timestamp or duration beyond this (3,000 years in microseconds; epoch times are ~1.8e15)
 
 
@@ -73,31 +72,15 @@ def read_bounded(f, path: str, max_bytes: int = MAX_BYTES) -> bytes:
 def inflate_bounded(f, max_bytes: int = MAX_BYTES, max_ratio: float = MAX_RATIO) -> bytes:
     """The decompressed bytes of the gzip stream in the open file `f`, checked while inflating: at most
     `max_bytes`, and past the first 16 MiB at most `max_ratio` bytes out per byte in (a decompression bomb is
-    refused after a few MiB of output, not after all of it)."""
-    inflater, out, total, read_in = zlib.decompressobj(16 + zlib.MAX_WBITS), [], 0, 0
-    pending = b""
-    while True:
-        if not pending:
-            if inflater.eof:
-                rest = inflater.unused_data.lstrip(b"\0")
-                if not rest:  # (gzip allows members one after another; hookprof writes one)
-                    break
-                inflater, pending = zlib.decompressobj(16 + zlib.MAX_WBITS), rest
-                continue
-            pending = f.read(_CHUNK)
-            read_in += len(pending)
-            if not pending:
-                raise EOFError
-        chunk = inflater.decompress(pending, _CHUNK)
-        pending = inflater.unconsumed_tail
-        total += len(chunk)
-        out.append(chunk)
-        if total > max_bytes:
-            raise InputTooLarge(f"inflates to over {max_bytes} bytes, the limit")
-        if total > _RATIO_FREE and total > max_ratio * read_in:
-            raise InputTooLarge(f"a decompression bomb (inflates over {max_ratio:g}:1; {read_in} bytes gave "
-                                f"{total})")
-    return b"".join(out)
+    refused after a few MiB of output, not after all of it). Raises `InputTooLarge`, `EOFError` (truncated),
+    `zlib.error` (corrupt)."""
+    try:
+        data, ended = inflate(f.read, gzip=True, limit=max_bytes, max_ratio=max_ratio)
+    except InflateRefused as err:
+        raise InputTooLarge(str(err)) from None
+    if not ended:
+        raise EOFError
+    return data
 
 
 def load_trace(path: str) -> dict:
