@@ -218,6 +218,12 @@ class HookCallback(Callback):
             return
         self._driver = None
         check_unique_keys(members)
+        if trainer.fast_dev_run:
+            # Lightning's smoke test writes no logs and no checkpoints and runs no early stopping: no hookprof
+            # callback runs either (no timeline, summary, checkpoint or stop of a run that is not one)
+            log.info("fast_dev_run: hookprof's callbacks do nothing in this fit (%s).",
+                     ", ".join(member.state_key for member in members))
+            return
         from hookprof.tracing.torch_tracer import TorchTracer
 
         hooks = [hook for member in members for hook in member.hooks]

@@ -218,3 +218,28 @@ def test_compressed_timelines_and_the_cap_warning_once(tmp_dir, caplog):
         assert len(trace["traceEvents"]) == 50 and trace["metadata"]["truncated"] is True
         assert trace["distributedInfo"] == {"rank": 0, "world_size": 1}
     assert len([r for r in caplog.records if "was cut at max_events=50" in r.getMessage()]) == 1
+
+
+def test_fast_dev_run_writes_nothing_and_says_so_once(tmp_dir, caplog):
+    """Lightning's smoke test writes no logs or checkpoints: hookprof's callbacks write nothing either."""
+    import logging
+
+    import lightning as L
+
+    from lightning_prof import CheckpointSaverHook, StopAtStepHook, SummarySaverHook
+
+    out = os.path.join(tmp_dir, "out")
+    callbacks = [ProfilerHook(save_steps=1, output_dir=out),
+                 SummarySaverHook(save_steps=1, output_dir=out,
+                                  summary_op=hookprof.summary.scalar("loss", lambda s: s.outputs["loss"])),
+                 CheckpointSaverHook(os.path.join(out, "ckpt"), save_steps=1), StopAtStepHook(last_step=2)]
+    fit = L.Trainer(fast_dev_run=4, callbacks=callbacks, default_root_dir=tmp_dir, accelerator="cpu",
+                    enable_progress_bar=False, enable_model_summary=False)
+    with caplog.at_level(logging.INFO, logger="lightning_prof"):
+        fit.fit(TinyModel(), loader())
+    assert fit.global_step == 4  # (StopAtStepHook(last_step=2) did not stop the smoke test either)
+    assert not os.path.exists(out) or os.listdir(out) == []
+    assert callbacks[0].saved_paths == []
+    (message,) = [r.getMessage() for r in caplog.records if r.name.startswith("lightning_prof")]
+    assert "fast_dev_run" in message and all(key in message for key in ("ProfilerHook(save_steps=1)",
+                                                                        "StopAtStepHook(last_step=2)"))
