@@ -29,6 +29,7 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.profilers import PyTorchProfiler
 from typing_extensions import override
 
 from hookprof.hooks.hooked_session import HookedSession, check_hooks
@@ -36,6 +37,7 @@ from hookprof.hooks.identity import SCHEDULE_ATTRIBUTES, check_name, identity, s
 from hookprof.hooks.session import Session, StepState
 from hookprof.hooks.session_run_hook import SessionRunArgs, SessionRunHook
 from hookprof.tensorboard.events import as_event_sink, use_for
+from hookprof.tracing import HostTracer
 
 log = logging.getLogger(__name__)
 
@@ -228,7 +230,16 @@ class HookCallback(Callback):
 
         hooks = [hook for member in members for hook in member.hooks]
         self._session = LightningSession(trainer, pl_module)
-        self._driver = HookedSession(hooks, tracer_factory=functools.partial(TorchTracer, pl_module))
+        tracer_factory: Any = functools.partial(TorchTracer, pl_module)
+        if isinstance(trainer.profiler, PyTorchProfiler):
+            # Lightning's profiler starts torch's own whenever its schedule says, also inside a step hookprof
+            # traces, and a second start raises out of the user's training step: hookprof leaves torch's
+            # profiler to it and traces the steps' phases only
+            log.warning("Trainer(profiler=%s) holds torch's profiler in this fit: hookprof's timelines show each "
+                        "traced step's phases (data wait, forward, backward, optimizer) but not its ops. Drop one "
+                        "of the two profilers to have hookprof's ops.", type(trainer.profiler).__name__)
+            tracer_factory = HostTracer
+        self._driver = HookedSession(hooks, tracer_factory=tracer_factory)
         if any(hasattr(hook, "set_default_output_dir") for hook in hooks):
             default_dir = run_dir(trainer)
             for hook in hooks:

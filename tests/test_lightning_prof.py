@@ -243,3 +243,28 @@ def test_fast_dev_run_writes_nothing_and_says_so_once(tmp_dir, caplog):
     (message,) = [r.getMessage() for r in caplog.records if r.name.startswith("lightning_prof")]
     assert "fast_dev_run" in message and all(key in message for key in ("ProfilerHook(save_steps=1)",
                                                                         "StopAtStepHook(last_step=2)"))
+
+
+def test_beside_lightnings_pytorch_profiler_both_write_valid_output_and_the_fit_goes_on(tmp_dir, caplog):
+    """Lightning's PyTorchProfiler starts torch's profiler inside steps hookprof traces (its schedule is its
+    own): a second start raised out of the training step and ended the fit. hookprof now leaves torch's
+    profiler to it, traces the steps' phases, and says so once."""
+    import glob
+    import json
+    import logging
+
+    hook = ProfilerHook(save_steps=2, output_dir=os.path.join(tmp_dir, "timelines"))
+    fit = trainer(tmp_dir, [hook], max_steps=12, profiler="pytorch")
+    with caplog.at_level(logging.WARNING):
+        fit.fit(TinyModel(), loader(n=200))
+    assert fit.global_step == 12
+    assert timeline_steps(os.path.join(tmp_dir, "timelines")) == [2, 4, 6, 8, 10, 12]
+    for path in hook.saved_paths:
+        trace = load_trace(path)
+        assert trace["metadata"]["tracer"] == "host" and not op_events(trace)
+        assert {"forward", "backward", "optimizer"} <= {e["name"] for e in trace["traceEvents"] if e.get("ph") == "X"}
+    (lightnings,) = glob.glob(os.path.join(tmp_dir, "**", "*.pt.trace.json"), recursive=True)
+    with open(lightnings) as f:
+        assert any(e.get("name") == "aten::addmm" for e in json.load(f)["traceEvents"])
+    (warning,) = [r.getMessage() for r in caplog.records if "holds torch's profiler" in r.getMessage()]
+    assert "PyTorchProfiler" in warning
