@@ -32,7 +32,7 @@ from typing_extensions import override
 
 from hookprof.hooks.hooked_session import HookedSession, check_hooks
 from hookprof.hooks.identity import SCHEDULE_ATTRIBUTES, check_name, identity, schedule
-from hookprof.hooks.session import Session, StepState
+from hookprof.hooks.session import Session, StepState, check_reduce
 from hookprof.hooks.session_run_hook import SessionRunArgs, SessionRunHook
 from hookprof.tensorboard.events import as_event_sink, use_for
 from hookprof.tracing import STEP_TRACES
@@ -51,6 +51,27 @@ class LightningSession(Session):
         self.distributed_backend = getattr(trainer.strategy, "process_group_backend", None)
         self._step: int | None = None
         self._counter: Any = None  # Lightning's optimizer-step counter, found when training starts
+
+    def agree(self, decisions: Sequence[bool], reduce: str = "any") -> list[bool]:
+        """The ranks' decisions made together, as the trainer's `strategy.reduce_boolean_decision` makes one (a
+        SUM all-reduce of 0/1 on the strategy's device), all of a step's decisions in one collective. Where
+        torch.distributed runs the strategy (DDP, FSDP, DeepSpeed) the all-reduce is called directly: the
+        strategy's `reduce` puts a barrier before it, which doubles the cost (2-rank gloo on CPU: 1.5 ms a
+        call against 0.37 ms) and adds nothing, an all-reduce waiting for every rank itself."""
+        if self.world_size <= 1:
+            return super().agree(decisions, reduce)
+        check_reduce(reduce)
+        import torch
+
+        strategy = self.trainer.strategy
+        votes = torch.tensor([int(bool(decision)) for decision in decisions], device=strategy.root_device)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.all_reduce(votes)  # (SUM, on the default group: the strategy's)
+            counts = votes.tolist()
+        else:
+            counts = strategy.reduce(votes, reduce_op="sum").tolist()
+        need = 1 if reduce == "any" else self.world_size
+        return [int(count) >= need for count in counts]
 
     def find_step_counter(self) -> None:
         """Training starts: find the counter behind `trainer.global_step` (see `optimizer_step_counter`)."""

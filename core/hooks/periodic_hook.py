@@ -41,10 +41,14 @@ class PeriodicHook(SessionRunHook):
         self.dropped_outputs = 0
         self._warn_once = WarnOnce(logging.getLogger(type(self).__module__))
         self._session: Any = None  # the fit's session (its steps_per_run)
+        self._agreeing = False  # the ranks of this distributed fit agree this hook's decisions (`votes`)
 
     def _run_steps(self) -> int:
         """How many global steps the coming step advances (TF's steps_per_run; see `Session.steps_per_run`)."""
         return steps_per_run(self._session)
+
+    def may_request_stop(self) -> bool:
+        return False  # it writes files (a CheckpointSaverHook's listeners may ask: see there)
 
     def set_default_output_dir(self, path: str | os.PathLike) -> None:
         """Where files go when the user gave no `output_dir` (the adapters call this before each fit's `begin`,
@@ -58,6 +62,8 @@ class PeriodicHook(SessionRunHook):
 
     def after_create_session(self, session: Any, coord: Any) -> None:
         self._session = session
+        # a seconds schedule (or a trigger) decides on this rank's clock: the ranks agree it (see `votes`)
+        self._agreeing = getattr(session, "world_size", 1) > 1 and self.votes() > 0
         step = getattr(session, "global_step", 0) or 0
         if not self._restored and self.save_steps and step > 0 and self._timer.last_triggered_step() is None:
             # Resumed without a saved schedule (a Keras checkpoint holds the optimizer's step, not callbacks):

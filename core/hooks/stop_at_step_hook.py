@@ -64,6 +64,9 @@ class StopAtStepHook(SessionRunHook):
         last = self._last_step
         return last is not None and global_step + steps_per_run(self._session) < last
 
+    def may_request_stop(self) -> bool:
+        return False  # it stops on the global step, the same on every rank
+
     def before_run(self, run_context) -> SessionRunArgs | None:
         # TF fetched the global step's read tensor (its value before the step); the session has it now
         self._stale_step = run_context.session.global_step
