@@ -17,6 +17,7 @@ from hookprof._runtime.atomic_file import remove_stale_temps
 from hookprof.hooks.capture import CaptureOptions, CapturePipeline
 from hookprof.hooks.periodic_hook import PeriodicHook
 from hookprof.hooks.session_run_hook import RunOptions, SessionRunArgs, TraceLevel
+from hookprof.hooks.timer import AgreedTimer
 from hookprof.hooks.trigger_watch import CaptureWindow, TriggerWatch
 from hookprof.trace.writer import ChromeTraceWriter
 from hookprof.triggers import Trigger, check_triggers
@@ -141,9 +142,6 @@ class ProfilerHook(PeriodicHook):
         self._run_start: tuple[int, float] | None = None  # (global step, time) of this run's first step
         self._fired_in_run = 0
         self._wanted = self._skipping = self._periodic = False
-        # Under DDP a seconds schedule is read on each rank's clock: the ranks agree after each step whether
-        # the next is traced (`agreed`), so that every rank traces the same steps and merged traces line up
-        self._schedule_agreed = self._trace_next = False
         self._capturing: CaptureWindow | None = None
 
     # --- what users read ----------------------------------------------------------------------------------
@@ -197,23 +195,23 @@ class ProfilerHook(PeriodicHook):
         super().after_create_session(session, coord)
         rank = getattr(session, "rank", 0)
         self._writes_here = self.ranks is None or rank in self.ranks
-        self._schedule_agreed = self._agreeing and self.save_secs is not None
-        self._trace_next = False
+        # Under DDP a seconds schedule is read on each rank's clock: the ranks agree after each step whether the
+        # next is traced (`agreed`), so that every rank traces the same steps and merged traces line up
+        own = self._timer.own if isinstance(self._timer, AgreedTimer) else self._timer
+        self._timer = AgreedTimer(own) if self._agreeing and self.save_secs is not None else own
         self.watch.start(session, self._writes_here)
         if self._writes_here:
             self.pipeline.start_worker()  # its interpreter starts while the first steps run
 
-    def _traces_step(self, global_step: int) -> bool:
-        """Whether the step starting at `global_step` is one to trace (never the first: see after_run)."""
-        timer = self._timer
+    def _traces_step(self, global_step: int, timer: Any = None) -> bool:
+        """Whether the step starting at `global_step` is one to trace (never the first: see after_run), by
+        `timer` (default: the schedule's)."""
+        timer = timer or self._timer
         return (self._writes_here and timer.last_triggered_step() is not None
                 and timer.should_trigger_for_step(global_step + self._run_steps()))
 
     def before_run(self, run_context) -> SessionRunArgs | None:
-        if self._schedule_agreed:
-            self._periodic, self._trace_next = self._writes_here and self._trace_next, False
-        else:
-            self._periodic = self._traces_step(run_context.session.global_step)
+        self._periodic = self._traces_step(run_context.session.global_step)
         self._capturing = self.watch.pending if self._writes_here else None
         self._wanted = self._periodic or self._capturing is not None
         # a disk slower than the schedule: skip the trace (counted) rather than stall or hold ever more files
@@ -227,8 +225,8 @@ class ProfilerHook(PeriodicHook):
     def quiet_on(self, global_step: int) -> bool:
         timer = self._timer  # (_traces_step spelled out: this runs on every step the hook does not trace)
         return not self.watch.watching and timer.last_triggered_step() is not None and not (
-            self._writes_here and (self._trace_next if self._schedule_agreed else timer.should_trigger_for_step(
-                global_step + getattr(self._session, "steps_per_run", 1))))  # (_run_steps, without its calls)
+            self._writes_here and timer.should_trigger_for_step(
+                global_step + getattr(self._session, "steps_per_run", 1)))  # (_run_steps, without its calls)
 
     # --- under DDP: which steps are traced is one decision for all ranks -------------------------------------
 
@@ -238,11 +236,14 @@ class ProfilerHook(PeriodicHook):
         return 2 if self.save_secs is not None or self.triggers else 0
 
     def vote(self, global_step: int) -> tuple[bool, bool]:
-        return (self._schedule_agreed and self._traces_step(global_step), self.watch.opened_at(global_step))
+        timer = self._timer
+        agreed = isinstance(timer, AgreedTimer)
+        return (agreed and self._traces_step(global_step, timer.own), self.watch.opened_at(global_step))
 
     def agreed(self, run_context, decisions: tuple[bool, ...]) -> None:
         trace_next, window = decisions
-        self._trace_next = trace_next
+        if isinstance(self._timer, AgreedTimer):
+            self._timer.due = trace_next
         if window:  # a trigger fired on some rank: every rank captures the next steps
             self.watch.join(run_context.session.global_step, self.output_dir)
 
