@@ -286,17 +286,19 @@ class OtherRank:
         return [mine or their for mine, their in zip(decisions, other)]
 
 
-def test_step_schedules_and_hooks_that_never_stop_agree_nothing():
+def test_step_schedules_and_hooks_that_never_stop_agree_nothing(tmp_path):
     from hookprof import ProfilerHook, StepCounterHook, StopAtStepHook
 
     agree = OtherRank()
-    hooks = [ProfilerHook(save_steps=2, output_dir=None, tensorboard=False), StepCounterHook(every_n_steps=1),
+    hooks = [ProfilerHook(save_steps=2, output_dir=str(tmp_path), tensorboard=False), StepCounterHook(every_n_steps=1),
              StopAtStepHook(last_step=3)]
     session = ManualSession(rank=0, world_size=2, agree=agree)
     driver = HookedSession(hooks, HostTracer, StepTraceCoordinator())
     driver.begin()
     driver.after_create_session(session)
     assert run_steps(driver, session, 3) == [False, False, True] and agree.calls == []  # no collective at all
+    driver.end(session)
+    assert [p.name for p in tmp_path.iterdir()] == ["timeline-2-rank0.json"]
 
 
 def test_a_stop_on_either_rank_stops_this_one_and_quiet_steps_agree_too():
