@@ -154,7 +154,7 @@ def _profile_or_advise(args: argparse.Namespace) -> int:
     profiler = load_profiler(args.inputs)
     try:
         if args.command == "profile":
-            steps = profiler.data.steps
+            steps = profiler.data.step_numbers()
             if args.step is not None and args.step >= 0 and args.step not in steps:
                 raise CommandError(f"--step {args.step}: step {args.step} was not traced (traced steps: "
                                    f"{_traced(profiler)})")
@@ -190,16 +190,16 @@ def _diff(args: argparse.Namespace) -> int:
     ends = ((profilers[0], args.inputs[0]), (profilers[-1], args.inputs[-1]))
     if args.steps is not None:
         for (profiler, path), step in zip(ends, args.steps):
-            if step not in profiler.data.steps:
+            if step not in profiler.data.step_numbers():
                 raise CommandError(f"--steps {args.steps[0]} {args.steps[1]}: step {step} was not traced in {path} "
                                    f"(traced steps: {_traced(profiler)})")
         step_a, step_b = args.steps
     else:
         for profiler, path in ends:
-            if len(profiler.data.steps) != 1 or len(args.inputs) == 1:
+            if len(profiler.data.step_numbers()) != 1 or len(args.inputs) == 1:
                 raise CommandError(f"{path}: holds traced steps {_traced(profiler)}; name the two to compare with "
                                    "--steps A B")
-        step_a, step_b = (next(iter(profiler.data.steps)) for profiler, _ in ends)
+        step_a, step_b = (profiler.data.step_numbers()[0] for profiler, _ in ends)
     try:
         profilers[0].diff(step_a, step_b, _view_options(args), other=profilers[-1])
     except BrokenPipeError:
@@ -218,7 +218,7 @@ def _option_error(err: Exception) -> CommandError:
 
 
 def _traced(profiler) -> str:
-    return ", ".join(str(step) for step in sorted(profiler.data.steps)) or "none"
+    return ", ".join(str(step) for step in profiler.data.step_numbers()) or "none"
 
 
 _COMMANDS = {"merge": _merge, "summary": _summary, "profile": _profile_or_advise, "advise": _profile_or_advise,
@@ -227,34 +227,48 @@ VIEWS = {"scope": "profile_name_scope", "graph": "profile_graph", "op": "profile
 
 
 def load_profiler(inputs: list[str]):
-    """A Profiler from one saved profile, or from timelines (each added as its step).
+    """A Profiler from saved profiles and timelines (each timeline added as its step of its rank): one run's
+    profile, or the ranks' of a distributed run, merged.
 
     Raises `CommandError` naming the input and its problem when one cannot be read.
     """
     from hookprof.profiler import Profiler
-    from hookprof.trace.reader import InputTooLarge, os_problem, read_bounded, read_timeline
+    from hookprof.trace.reader import read_timeline
 
-    if len(inputs) == 1 and not inputs[0].endswith((".json", ".json.gz")):
-        path = inputs[0]
-        try:
-            with open(path, "rb") as f:
-                blob = read_bounded(f, path)  # (a profile's declared size is checked again while inflating)
-        except InputTooLarge as err:
-            raise CommandError(f"{path}: refused: {err}") from None
-        except OSError as err:
-            raise CommandError(f"{path}: {os_problem(err)}") from None
-        try:
-            return Profiler.load(blob)
-        except ValueError as err:  # serialize.ProfileFormatError
-            raise CommandError(f"{path}: {str(err).rstrip('.')}") from None
     profiler = Profiler()
     for i, path in enumerate(inputs):
-        def add(path: str, i: int = i) -> None:
-            stats = read_timeline(path)
-            profiler.add_step(int(stats.step) if stats.step is not None else i, stats)
+        if path.endswith((".json", ".json.gz")):
+            def add(path: str, i: int = i) -> None:
+                stats = read_timeline(path)
+                profiler.add_step(int(stats.step) if stats.step is not None else i, stats)
 
-        _reading(path, add)
+            _reading(path, add)
+        else:
+            saved = _load_profile(path)
+            if len(inputs) == 1:
+                return saved
+            try:
+                profiler.merge(saved)
+            except ValueError as err:
+                raise CommandError(f"{path}: {err}") from None
     return profiler
+
+
+def _load_profile(path: str):
+    from hookprof.profiler import Profiler
+    from hookprof.trace.reader import InputTooLarge, os_problem, read_bounded
+
+    try:
+        with open(path, "rb") as f:
+            blob = read_bounded(f, path)  # (a profile's declared size is checked again while inflating)
+    except InputTooLarge as err:
+        raise CommandError(f"{path}: refused: {err}") from None
+    except OSError as err:
+        raise CommandError(f"{path}: {os_problem(err)}") from None
+    try:
+        return Profiler.load(blob)
+    except ValueError as err:  # serialize.ProfileFormatError
+        raise CommandError(f"{path}: {str(err).rstrip('.')}") from None
 
 
 def _reading(path: str, read):

@@ -34,7 +34,7 @@ from typing_extensions import override
 
 from hookprof.hooks.hooked_session import HookedSession, check_hooks
 from hookprof.hooks.identity import SCHEDULE_ATTRIBUTES, check_name, identity, schedule
-from hookprof.hooks.session import Session, StepState
+from hookprof.hooks.session import Session, StepState, check_reduce
 from hookprof.hooks.session_run_hook import SessionRunArgs, SessionRunHook
 from hookprof.tensorboard.events import as_event_sink, use_for
 from hookprof.tracing import HostTracer
@@ -53,6 +53,34 @@ class LightningSession(Session):
         self.distributed_backend = getattr(trainer.strategy, "process_group_backend", None)
         self._step: int | None = None
         self._counter: Any = None  # Lightning's optimizer-step counter, found when training starts
+        self._votes: dict[int, Any] = {}  # `agree`'s all-reduce buffers, by length
+
+    def agree(self, decisions: Sequence[bool], reduce: str = "any") -> list[bool]:
+        """The ranks' decisions made together, as the trainer's `strategy.reduce_boolean_decision` makes one (a
+        SUM all-reduce of 0/1 on the strategy's device), all of a step's decisions in one collective. Where
+        torch.distributed runs the strategy (DDP, FSDP, DeepSpeed) the all-reduce is called directly: the
+        strategy's `reduce` puts a barrier before it, which costs 3x (2-rank gloo on a loaded CPU: 1.2-3 ms a
+        call against 0.33-1.1 ms) and adds nothing, an all-reduce waiting for every rank itself."""
+        if self.world_size <= 1:
+            return super().agree(decisions, reduce)
+        check_reduce(reduce)
+        import torch
+
+        strategy = self.trainer.strategy
+        values = torch.tensor([int(bool(decision)) for decision in decisions])
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            # one buffer per length, kept: gloo all-reduces a tensor it has seen before faster (on a loaded 2-core
+            # CPU 0.37-0.58 ms a call against 0.42-1.33 ms for a new tensor each call)
+            votes = self._votes.get(len(values))
+            if votes is None or votes.device != strategy.root_device:
+                votes = self._votes[len(values)] = torch.zeros_like(values, device=strategy.root_device)
+            votes.copy_(values)
+            torch.distributed.all_reduce(votes)  # (SUM, on the default group: the strategy's)
+            counts = votes.tolist()
+        else:
+            counts = strategy.reduce(values.to(strategy.root_device), reduce_op="sum").tolist()
+        need = 1 if reduce == "any" else self.world_size
+        return [int(count) >= need for count in counts]
 
     def find_step_counter(self) -> None:
         """Training starts: find the counter behind `trainer.global_step` (see `optimizer_step_counter`)."""

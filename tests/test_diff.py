@@ -69,9 +69,9 @@ def run(tmp_path_factory):
                         tensorboard=False)
     trainer(str(out), [hook], 6).fit(model, loader(6 * BATCH, BATCH))
     (out / "run.prof").write_bytes(prof.serialize_to_string())
-    ran = {s for n in prof.data.nodes.values() if n.scope == "ExtraCall/extra" for s in n.steps}
+    ran = {s for n in prof.data.nodes.values() if n.scope == "ExtraCall/extra" for _, s in n.steps}  # (rank, step)
     [extra] = ran  # one traced step ran the extra module, and the steps around it were traced too
-    assert {extra - 1, extra + 1} <= set(prof.data.steps)
+    assert {extra - 1, extra + 1} <= set(prof.data.step_numbers())
     return prof, out, extra
 
 
@@ -83,8 +83,8 @@ def test_the_module_called_in_one_step_only_ranks_first(run):
         assert top.name == "ExtraCall/extra" and top.a is None and top.b[order_by] > 0, result.text
         # what that module did in the step: the sum of its ops' figures there
         ops = [n for n in prof.data.nodes.values() if n.scope == "ExtraCall/extra" and n.steps]
-        assert top.b["micros"] == pytest.approx(sum(n.steps[extra][MICROS] for n in ops))
-        assert top.b["bytes"] == sum(n.steps[extra][BYTES] for n in ops) >= BATCH * 4096 * 4  # its output at least
+        assert top.b["micros"] == pytest.approx(sum(n.steps[(0, extra)][MICROS] for n in ops))
+        assert top.b["bytes"] == sum(n.steps[(0, extra)][BYTES] for n in ops) >= BATCH * 4096 * 4  # its output at least
         # its code line is its forward's line (its backward ops count there too)
         assert re.fullmatch(rf"\S*test_diff\.py\({EXTRA_LINE}\): forward", result.code_lines[0].name), result.text
         assert abs(result.code_lines[0].change[order_by]) >= abs(top.change[order_by])
@@ -103,9 +103,9 @@ def test_ops_present_in_only_one_step_are_listed_with_both_figures(run):
     only = {row.name: row for row in result.only_in_b}
     extra_ops = {n.name: n for n in prof.data.nodes.values() if n.scope == "ExtraCall/extra" and n.steps}
     assert set(extra_ops) <= set(only)
-    assert all(set(prof.data.nodes[name].steps) == {extra} for name in only)
+    assert all(set(prof.data.nodes[name].steps) == {(0, extra)} for name in only)
     mm = only["ExtraCall/extra/aten::mm"]
-    figures = extra_ops["ExtraCall/extra/aten::mm"].steps[extra]
+    figures = extra_ops["ExtraCall/extra/aten::mm"].steps[(0, extra)]
     assert mm.a is None and mm.b["micros"] == figures[MICROS] > 0 and mm.b["bytes"] == figures[BYTES] > 0
     # in the text: both steps' figures, `--` for the step it did not run in, as `A -> B (change)`
     bytes_text, time_text = format_memory(figures[BYTES]), format_time(figures[MICROS])
@@ -170,7 +170,7 @@ def test_options_pick_figures_order_and_rows(run, tmp_path):
 ])
 def test_bad_steps_and_options_name_the_argument(run, args, message):
     prof = run[0]
-    with pytest.raises(ValueError, match=message.format(traced=", ".join(map(str, sorted(prof.data.steps))))):
+    with pytest.raises(ValueError, match=message.format(traced=", ".join(map(str, prof.data.step_numbers())))):
         prof.diff(*args)
 
 
@@ -210,4 +210,4 @@ def test_hookprof_diff_bad_input_is_one_line(run):
                       "hookprof diff: missing.json: no such file")
     assert_fails_with(hookprof("diff", "run.prof", "--steps", str(extra), "77", cwd=out),
                       f"hookprof diff: --steps {extra} 77: step 77 was not traced in run.prof (traced steps: "
-                      f"{', '.join(map(str, sorted(prof.data.steps)))})")
+                      f"{', '.join(map(str, prof.data.step_numbers()))})")

@@ -270,3 +270,60 @@ def test_a_schedule_that_fired_but_could_not_trace_is_not_blamed(tmp_path, caplo
     messages = [r.getMessage() for r in caplog.records]
     assert any("Step not traced: another profiler" in m for m in messages)
     assert not any("wrote no timeline" in m for m in messages)  # the schedule fired; the cause was said
+
+
+# --- the ranks' agreement (a ManualSession of rank 0 of 2 whose `agree` stands for the other rank) -----------
+
+class OtherRank:
+    """`agree` for rank 0 of 2: each call is recorded, and the other rank's decisions are `theirs(call)`."""
+
+    def __init__(self, theirs=lambda call: None):
+        self.calls, self.theirs = [], theirs
+
+    def __call__(self, decisions, reduce):
+        self.calls.append(list(decisions))
+        other = self.theirs(len(self.calls)) or [False] * len(decisions)
+        return [mine or their for mine, their in zip(decisions, other)]
+
+
+def test_step_schedules_and_hooks_that_never_stop_agree_nothing(tmp_path):
+    from hookprof import ProfilerHook, StepCounterHook, StopAtStepHook
+
+    agree = OtherRank()
+    hooks = [ProfilerHook(save_steps=2, output_dir=str(tmp_path), tensorboard=False), StepCounterHook(every_n_steps=1),
+             StopAtStepHook(last_step=3)]
+    session = ManualSession(rank=0, world_size=2, agree=agree)
+    driver = HookedSession(hooks, HostTracer, StepTraceCoordinator())
+    driver.begin()
+    driver.after_create_session(session)
+    assert run_steps(driver, session, 3) == [False, False, True] and agree.calls == []  # no collective at all
+    driver.end(session)
+    assert [p.name for p in tmp_path.iterdir()] == ["timeline-2-rank0.json"]
+
+
+def test_a_stop_on_either_rank_stops_this_one_and_quiet_steps_agree_too():
+    agree = OtherRank(lambda call: [True] if call == 3 else None)  # the other rank asks to stop after step 3
+    session = ManualSession(rank=0, world_size=2, agree=agree)
+    driver = HookedSession([SessionRunHook()], HostTracer, StepTraceCoordinator())  # may stop: agreed each step
+    driver.begin()
+    driver.after_create_session(session)
+    assert run_steps(driver, session, 4) == [False, False, True, False]
+    assert agree.calls == [[False]] * 4  # one call a step, this rank proposing nothing, every step quiet or not
+
+
+def test_a_seconds_checkpoint_saves_on_every_rank_when_any_is_due(tmp_path):
+    from hookprof import CheckpointSaverHook
+    from tests.conftest import FakeClock
+
+    saved = []
+    clock = FakeClock()
+    hook = CheckpointSaverHook(str(tmp_path), save_secs=10, saver=lambda path: saved.append(path),
+                               clock=clock)
+    agree = OtherRank(lambda call: [False, True] if call == 2 else None)  # the other rank's clock says step 2
+    session = ManualSession(rank=0, world_size=2, agree=agree)
+    driver = HookedSession([hook], HostTracer, StepTraceCoordinator())
+    driver.begin()
+    driver.after_create_session(session)  # saves step 0
+    run_steps(driver, session, 3)
+    assert [p.rsplit("-", 1)[1] for p in saved] == ["0", "2"]  # this rank's clock never moved
+    assert agree.calls == [[False, False]] * 3

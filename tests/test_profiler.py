@@ -87,7 +87,7 @@ def test_op_view_total_is_the_sum_of_the_steps_op_times(run):
 def test_step_minus_one_is_the_mean_over_the_steps_a_node_ran_in(run):
     prof, _ = run
     node = prof.data.nodes["TinyModel/fc1/aten::addmm"]
-    assert sorted(node.steps) == [2, 4, 6]
+    assert sorted(node.steps) == [(0, 2), (0, 4), (0, 6)]  # (rank, step)
     per_step = [prof.profile_operations(
                     quiet({"step": s, "account_type_regexes": ["aten::addmm"]})).rows[0].self_["micros"]
                 for s in (2, 4, 6)]
@@ -607,7 +607,7 @@ def test_bytes_in_use_at_each_steps_end_are_saved_and_older_files_load_without_t
     import orjson
 
     prof, paths = run
-    allocated = {step: summary.allocated for step, summary in prof.data.steps.items()}
+    allocated = {step: summary.allocated for (_, step), summary in prof.data.steps.items()}
     # what the allocator reported last in each traced step (the hook wrote it to the timeline too)
     assert len(paths) == 3  # steps 2, 4, 6
     for path in paths:
@@ -615,7 +615,7 @@ def test_bytes_in_use_at_each_steps_end_are_saved_and_older_files_load_without_t
         counters = [e for e in trace["traceEvents"] if e.get("ph") == "C" and e.get("cat") == "Memory"]
         last = [e for e in counters if e["ts"] == max(c["ts"] for c in counters)][-1]
         assert allocated[trace["metadata"]["step"]] == {"/host:CPU": float(last["args"]["allocated"])}
-    assert Profiler.load(prof.serialize_to_string()).data.steps[4].allocated == allocated[4]
+    assert Profiler.load(prof.serialize_to_string()).data.steps[(0, 4)].allocated == allocated[4]
 
     # an op runs on the host; the memory it allocated is where its tensors live (here the host too)
     made = [n for n in prof.data.nodes.values() if any(f[BYTES] for f in n.steps.values())]

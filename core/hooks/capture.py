@@ -270,12 +270,12 @@ class Job:
     """One traced step to write, with where it goes fixed on the training thread when the step ended (a next
     fit may change the hook's directory and event stream before the background thread gets to it)."""
 
-    __slots__ = ("step", "run_metadata", "path", "output_dir", "events", "spec")
+    __slots__ = ("step", "rank", "run_metadata", "path", "output_dir", "events", "spec")
 
     def __init__(self, step: int, run_metadata: Any, session: Any, path: str, output_dir: str | None, events: Any,
                  capture: CaptureWindow | None, skipped: int = 0, profile_tab: bool = False) -> None:
         rank, world_size = getattr(session, "rank", 0), getattr(session, "world_size", 1)
-        self.step = step
+        self.step, self.rank = step, rank
         self.run_metadata = run_metadata
         self.path = path
         self.output_dir = output_dir
@@ -426,7 +426,7 @@ class CapturePipeline:
         self.finish(job, None if stats is None else render_step(stats, self.writer, job.spec))
         if self.profiler is not None:
             try:
-                self.profiler.add_step(job.step, job.run_metadata)
+                self.profiler.add_step(job.step, job.run_metadata, rank=job.rank)
             except Exception:  # the Profiler's bug must not cost the timeline or the run
                 self._warn_once("profiler", "Profiler.add_step(%d) failed.", job.step, exc_info=True)
 

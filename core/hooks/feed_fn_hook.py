@@ -57,6 +57,9 @@ class FeedFnHook(SessionRunHook):
     def begin(self) -> None:
         self._feeds, self._fed_batch, self._fed_keys = None, None, frozenset()
 
+    def may_request_stop(self) -> bool:
+        return False  # it only feeds
+
     def before_run(self, run_context: SessionRunContext) -> SessionRunArgs:
         feeds = self.feed_fn()
         self._feeds = feeds if isinstance(feeds, Mapping) else None

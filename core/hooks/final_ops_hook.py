@@ -67,6 +67,9 @@ class FinalOpsHook(SessionRunHook):
     def quiet_on(self, global_step: int) -> bool:
         return True  # nothing happens on a step
 
+    def may_request_stop(self) -> bool:
+        return False  # it runs at the end
+
     def end(self, session: Any) -> None:
         if self._final_ops is not None:
             try:

@@ -72,6 +72,9 @@ class GlobalStepWaiterHook(SessionRunHook):
         # once started, TF's before_run returns None at once; with wait_until_step <= 0 it never waits
         return self._worker_is_started or self.wait_until_step <= 0
 
+    def may_request_stop(self) -> bool:
+        return False  # it only waits
+
     def before_run(self, run_context: SessionRunContext) -> None:
         if self._worker_is_started:
             return None

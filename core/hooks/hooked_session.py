@@ -6,6 +6,7 @@ The adapters call, per step, `before_run(...)`, then the framework runs the step
 - each hook gets back exactly the fetch structure it asked for; options merge (highest trace level wins);
 - two hooks feeding the same name is an error naming the name;
 - `request_stop()` takes effect after every `after_run` of the step; a failed step gets no `after_run`;
+- in a distributed fit the ranks agree each step's stop and the hooks' votes (`hookprof.hooks.agreement`);
 - `end()` is the adapter's to call, on a clean finish or a requested stop only.
 """
 
@@ -21,6 +22,7 @@ from typing import Any
 from hookprof._runtime import worker
 from hookprof._runtime.background import drain_all
 from hookprof._runtime.fit_run import FitRun, close_run, open_run
+from hookprof.hooks.agreement import Ballot
 from hookprof.hooks.session import Session, StepState, evaluate_fetches
 from hookprof.hooks.session_run_hook import (
     RunMetadata,
@@ -122,6 +124,7 @@ class HookedSession:
         self._run: FitRun | None = None  # what this fit started, stopped when it ends (see `release`)
         self._defer_trace = defer_trace
         self._pending_trace: tuple[Hashable, RunOptions] | None = None  # (deferred: started by start_trace)
+        self._ballot: Ballot | None = None  # what the ranks of a distributed fit decide together (see agreement)
         # The hooks' quiet_on checks; None when a hook (duck-typed) has none, which turns the fast path off.
         checks = [getattr(hook, "quiet_on", None) for hook in self.hooks]
         self._quiet_checks = checks if all(callable(check) for check in checks) else None
@@ -135,6 +138,7 @@ class HookedSession:
     def after_create_session(self, session: Session) -> None:
         for hook in self.hooks:
             hook.after_create_session(session, None)
+        self._ballot = Ballot.for_fit(session, self.hooks)
 
     def before_run(self, session: Session, step_key: Hashable,
                    original_args: SessionRunArgs | Callable[[], SessionRunArgs]) -> None:
@@ -217,6 +221,10 @@ class HookedSession:
             session = self._session
             if isinstance(session, Session):
                 session._last_step = make_state  # (the property's setter, without its call: every idle step)
+            if self._ballot is not None:  # the other ranks may have something to decide: agree all the same
+                stop = self._ballot.decide(session, None, session.global_step)
+                self._traces.restart_data_clock()  # (waiting for the other ranks is no data wait)
+                return stop
             return False
         if _current_feeds.get():
             _current_feeds.set(_NO_FEEDS)
@@ -235,8 +243,11 @@ class HookedSession:
         for i, hook in enumerate(self.hooks):
             results = evaluate_fetches(fetches[i], state) if i in fetches else None
             hook.after_run(context, SessionRunValues(results, options, metadata))
+        stop = context.stop_requested
+        if self._ballot is not None:
+            stop = self._ballot.decide(session, context, session.global_step)
         self._traces.restart_data_clock()  # the hooks' own work after the step is no data wait of the next
-        return context.stop_requested
+        return stop
 
     def abort_step(self) -> None:
         """The step raised: no after_run; stop any running trace so the next fit can trace again."""

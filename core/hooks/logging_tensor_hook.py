@@ -104,6 +104,9 @@ class LoggingTensorHook(SessionRunHook):
     def quiet_on(self, global_step: int) -> bool:
         return self._count_step is not None and not self._timer.should_trigger_for_step(self._iteration(global_step))
 
+    def may_request_stop(self) -> bool:
+        return False  # it only logs
+
     def before_run(self, run_context) -> SessionRunArgs | None:
         self._iter_count = self._iteration(run_context.session.global_step)
         self._should_trigger = self._timer.should_trigger_for_step(self._iter_count)

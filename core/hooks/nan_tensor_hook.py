@@ -43,6 +43,9 @@ class NanTensorHook(SessionRunHook):
         self.loss_tensor = check_fetches(owner, "loss_tensor", loss_tensor)
         self.fail_on_nan_loss = arguments.check_bool(owner, "fail_on_nan_loss", fail_on_nan_loss)
 
+    def may_request_stop(self) -> bool:
+        return not self.fail_on_nan_loss  # a NaN on one rank stops every rank (fail_on_nan_loss raises instead)
+
     def before_run(self, run_context) -> SessionRunArgs:
         return SessionRunArgs(fetches=self.loss_tensor)
 

@@ -45,10 +45,14 @@ class PeriodicHook(SessionRunHook):
         self._warn_once = WarnOnce(logging.getLogger(type(self).__module__))
         self._session: Any = None  # the fit's session (its steps_per_run)
         self._due = False  # the running step fires the schedule (set in before_run, cleared by `_step_done`)
+        self._agreeing = False  # the ranks of this distributed fit agree this hook's decisions (`votes`)
 
     def _run_steps(self) -> int:
         """How many global steps the coming step advances (TF's steps_per_run; see `Session.steps_per_run`)."""
         return steps_per_run(self._session)
+
+    def may_request_stop(self) -> bool:
+        return False  # it writes files (a CheckpointSaverHook's listeners may ask: see there)
 
     def set_default_output_dir(self, path: str | os.PathLike) -> None:
         """Where files go when the user gave no `output_dir` (the adapters call this before each fit's `begin`,
@@ -63,6 +67,8 @@ class PeriodicHook(SessionRunHook):
 
     def after_create_session(self, session: Any, coord: Any) -> None:
         self._session = session
+        # a seconds schedule (or a trigger) decides on this rank's clock: the ranks agree it (see `votes`)
+        self._agreeing = getattr(session, "world_size", 1) > 1 and self.votes() > 0
         step = getattr(session, "global_step", 0) or 0
         last = self._timer.last_triggered_step()
         if self._restored and last is not None and last > step:

@@ -17,6 +17,7 @@ from hookprof._runtime.atomic_file import remove_stale_temps
 from hookprof.hooks.capture import CaptureOptions, CapturePipeline
 from hookprof.hooks.periodic_hook import PeriodicHook
 from hookprof.hooks.session_run_hook import RunOptions, SessionRunArgs, TraceLevel
+from hookprof.hooks.timer import AgreedTimer
 from hookprof.hooks.trigger_watch import CaptureWindow, TriggerWatch
 from hookprof.trace.writer import ChromeTraceWriter
 from hookprof.triggers import Trigger, check_triggers
@@ -203,13 +204,18 @@ class ProfilerHook(PeriodicHook):
         super().after_create_session(session, coord)
         rank = getattr(session, "rank", 0)
         self._writes_here = self.ranks is None or rank in self.ranks
+        # Under DDP a seconds schedule is read on each rank's clock: the ranks agree after each step whether the
+        # next is traced (`agreed`), so that every rank traces the same steps and merged traces line up
+        own = self._timer.own if isinstance(self._timer, AgreedTimer) else self._timer
+        self._timer = AgreedTimer(own) if self._agreeing and self.save_secs is not None else own
         self.watch.start(session, self._writes_here)
         if self._writes_here:
             self.pipeline.start_worker()  # its interpreter starts while the first steps run
 
-    def _traces_step(self, global_step: int) -> bool:
-        """Whether the step starting at `global_step` is one to trace (never the first: see after_run)."""
-        timer = self._timer
+    def _traces_step(self, global_step: int, timer: Any = None) -> bool:
+        """Whether the step starting at `global_step` is one to trace (never the first: see after_run), by
+        `timer` (default: the schedule's)."""
+        timer = timer or self._timer
         return (self._writes_here and timer.last_triggered_step() is not None
                 and timer.should_trigger_for_step(global_step + self._run_steps()))
 
@@ -230,6 +236,25 @@ class ProfilerHook(PeriodicHook):
         return not self.watch.watching and timer.last_triggered_step() is not None and not (
             self._writes_here and timer.should_trigger_for_step(
                 global_step + getattr(self._session, "steps_per_run", 1)))  # (_run_steps, without its calls)
+
+    # --- under DDP: which steps are traced is one decision for all ranks -------------------------------------
+
+    def votes(self) -> int:
+        """A seconds schedule and the triggers decide on what each rank sees: the ranks agree them (the next
+        step traced by the schedule; a trigger's capture window), so each rank traces the same steps."""
+        return 2 if self.save_secs is not None or self.triggers else 0
+
+    def vote(self, global_step: int) -> tuple[bool, bool]:
+        timer = self._timer
+        agreed = isinstance(timer, AgreedTimer)
+        return (agreed and self._traces_step(global_step, timer.own), self.watch.opened_at(global_step))
+
+    def agreed(self, run_context, decisions: tuple[bool, ...]) -> None:
+        trace_next, window = decisions
+        if isinstance(self._timer, AgreedTimer):
+            self._timer.due = trace_next
+        if window:  # a trigger fired on some rank: every rank captures the next steps
+            self.watch.join(run_context.session.global_step, self.output_dir)
 
     def after_run(self, run_context, run_values) -> None:
         timer = self._timer

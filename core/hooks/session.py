@@ -3,7 +3,7 @@ and how fetches are evaluated against it."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from hookprof._runtime.arguments import check_fetches as check_fetches
@@ -46,11 +46,27 @@ class Session:
         """The number of optimizer steps taken so far (TF's global step)."""
         raise NotImplementedError
 
+    def agree(self, decisions: Sequence[bool], reduce: str = "any") -> list[bool]:
+        """`decisions` made together by every rank of a distributed fit, in one collective: each True when any
+        rank's is (`reduce="any"`) or when every rank's is (`"all"`). The same list on every rank, so every rank
+        must call it at the same point of the same step. In one process (Keras, a single-device Lightning fit)
+        it is `decisions` as they are; the Lightning adapter agrees through the trainer's strategy."""
+        check_reduce(reduce)
+        return [bool(decision) for decision in decisions]
+
     def run(self, fetches: Any) -> Any:
         """Evaluate `fetches` (names or callables, nested) on the last finished step, like `session.run`."""
         if self.last_step is None:
             raise RuntimeError("session.run(fetches) needs a finished step: call it from after_run or later.")
         return evaluate_fetches(fetches, self.last_step)
+
+
+REDUCES = ("any", "all")
+
+
+def check_reduce(reduce: str) -> None:
+    if reduce not in REDUCES:
+        raise ValueError(f"agree(reduce={reduce!r}): `reduce` is 'any' (True when any rank's decision is) or 'all'.")
 
 
 class ManualSession(Session):
@@ -65,13 +81,29 @@ class ManualSession(Session):
             if driver.after_run(lambda: StepState(session.global_step, {"loss": loss}, batch)):
                 break
         driver.end(session)
+
+    A loop of several ranks passes `rank`, `world_size` and `agree`: a callable `agree(decisions, reduce)` that
+    reduces a list of bools over the ranks (`reduce` "any" or "all") and returns the list every rank gets,
+    e.g. with torch.distributed: an all_reduce (SUM) of `torch.tensor(decisions, dtype=torch.int)`, then
+    `count >= 1` for "any", `count == world_size` for "all". Without it each rank decides alone.
     """
 
     framework = "manual"
 
-    def __init__(self, model: Any = None, global_step: int = 0, rank: int = 0, world_size: int = 1) -> None:
+    def __init__(self, model: Any = None, global_step: int = 0, rank: int = 0, world_size: int = 1,
+                 agree: Callable[[list[bool], str], Sequence[bool]] | None = None) -> None:
         super().__init__(model=model, rank=rank, world_size=world_size)
         self._global_step = global_step
+        if agree is not None and not callable(agree):
+            raise TypeError(f"`ManualSession(agree={agree!r})`: `agree` must be a callable agree(decisions, reduce) "
+                            "that reduces a list of bools over the ranks, or None.")
+        self._agree = agree
+
+    def agree(self, decisions: Sequence[bool], reduce: str = "any") -> list[bool]:
+        if self._agree is None:
+            return super().agree(decisions, reduce)
+        check_reduce(reduce)
+        return [bool(decision) for decision in self._agree([bool(d) for d in decisions], reduce)]
 
     @property
     def global_step(self) -> int:

@@ -95,3 +95,32 @@ class SessionRunHook:
         callback says so, the step costs one call per hook instead of a context, arguments and two calls.
         The default, False, keeps TF's behaviour: both calls on every step."""
         return False
+
+    # --- distributed training (not in TF): decisions every rank makes together ------------------------------
+    # In a fit of several ranks (DDP), a decision that changes what a step does (stop, a collective save, a
+    # trace) must be the same on every rank, or one rank waits in a collective for a rank that went another
+    # way. The driver agrees them after each step through `session.agree` (one small collective for all of the
+    # step's decisions); in one process it never asks. Hooks whose decisions follow from the global step alone
+    # (the same on every rank) need none of this.
+
+    def may_request_stop(self) -> bool:
+        """Whether this hook may call `request_stop()` on what its own rank sees (a loss, a clock). While any
+        hook of a distributed fit may, the driver agrees each step's stop across ranks: one rank's request
+        stops every rank after that step. False: this hook never asks, or asks on the global step alone. The
+        default, True, is right for any hook (a user's hook that never stops costs a small collective a step)."""
+        return True
+
+    def votes(self) -> int:
+        """How many decisions this hook asks the ranks of a distributed fit to make together after each step
+        (fixed for the fit, the same on every rank); the driver then calls `vote` and `agreed` after every
+        step, the hook's `after_run` included or not. 0 (the default): none."""
+        return 0
+
+    def vote(self, global_step: int) -> tuple[bool, ...]:
+        """This rank's proposals (`votes()` of them) after the step that reached `global_step`."""
+        return ()
+
+    def agreed(self, run_context: SessionRunContext, decisions: tuple[bool, ...]) -> None:
+        """The decisions every rank made together (each True when any rank proposed it), the same on every
+        rank; act on them here (a collective save runs on every rank at once). `run_context.request_stop()`
+        works here too."""

@@ -116,6 +116,9 @@ class StepCounterHook(SessionRunHook):
             return False
         return not (global_step == self._last_global_step and self._stuck_warnings < _STUCK_WARNINGS)
 
+    def may_request_stop(self) -> bool:
+        return False  # it only measures
+
     def before_run(self, run_context) -> None:
         # TF fetched the global step with the step (a stale value: the step before it ran)
         self._stale_global_step = run_context.session.global_step

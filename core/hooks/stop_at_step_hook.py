@@ -76,6 +76,9 @@ class StopAtStepHook(SessionRunHook):
         """Let go of the fit's session (at `end()`, and when training fails before it)."""
         self._session = None
 
+    def may_request_stop(self) -> bool:
+        return False  # it stops on the global step, the same on every rank
+
     def before_run(self, run_context) -> SessionRunArgs | None:
         # TF fetched the global step's read tensor (its value before the step); the session has it now
         self._stale_step = run_context.session.global_step

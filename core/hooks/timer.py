@@ -1,4 +1,5 @@
-"""`SecondOrStepTimer` and `NeverTriggerTimer`: when a periodic hook fires, with TF1's exact behaviour."""
+"""`SecondOrStepTimer` and `NeverTriggerTimer`: when a periodic hook fires, with TF1's exact behaviour;
+`AgreedTimer`: a timer whose fires the ranks of a distributed fit decide together."""
 
 from __future__ import annotations
 
@@ -103,3 +104,32 @@ class SecondOrStepTimer:
         step = state.get("last_triggered_step")
         self._last_triggered_step = None if step is None else int(step)
         self._last_triggered_time = None if step is None else self._now()
+
+
+class AgreedTimer:
+    """A timer whose fires the ranks of a distributed fit decide together: `should_trigger_for_step` says what
+    they agreed after the previous step (`due`, set by the hook's `agreed`); the rank's own timer (`own`, read
+    on its own clock) only proposes, and keeps the schedule's record (the last fire, the saved state)."""
+
+    def __init__(self, own: SecondOrStepTimer | NeverTriggerTimer) -> None:
+        self.own = own
+        self.due = False
+
+    def reset(self) -> None:
+        self.own.reset()
+        self.due = False
+
+    def should_trigger_for_step(self, step: int) -> bool:
+        return self.due
+
+    def update_last_triggered_step(self, step: int) -> tuple[float | None, int | None]:
+        return self.own.update_last_triggered_step(step)
+
+    def last_triggered_step(self) -> int | None:
+        return self.own.last_triggered_step()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.own.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.own.load_state_dict(state)

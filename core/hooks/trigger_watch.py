@@ -23,6 +23,9 @@ from hookprof.triggers import StepObservation, Trigger, host_scalar
 log = logging.getLogger("hookprof.hooks.profiler_hook")
 
 
+OTHER_RANK = "other_rank"  # a capture window's fire that happened on another rank of a distributed fit
+
+
 class CaptureWindow:
     """A trigger's fire being captured: what fired (kind, step, detail), the records of the firing step and
     the steps before it, and how many steps are still to trace."""
@@ -87,13 +90,14 @@ class TriggerWatch:
         self._memory_device: str | None = None
         self.pending: CaptureWindow | None = None  # the fire being captured, while steps remain
         self._quiet_until = -1  # no trigger fires at or before this step (the cooldown)
+        self._opened_at: int | None = None  # the step whose fire opened `pending` on this rank
         self.fired: collections.Counter[str] = collections.Counter()
 
     def begin(self) -> None:
         """A new run: the triggers forget the last run's steps; no fire is pending, no cooldown runs."""
         for trigger in self.triggers:
             trigger.reset()
-        self.pending, self._quiet_until = None, -1
+        self.pending, self._quiet_until, self._opened_at = None, -1, None
 
     def start(self, session: Any, writes_here: bool, traces: StepTraceCoordinator | None = None) -> None:
         """The session exists: find the device whose memory MemoryJump reads (the model's, not whichever CUDA
@@ -147,15 +151,34 @@ class TriggerWatch:
         fires = self.observe(observation, values)
         if not fires or step <= self._quiet_until or not writes_here:
             return
-        self._quiet_until = step + self.cooldown_steps
-        recent = [r for r in self._traces.recent if r.step is not None and r.step > step - self.window]
-        self.pending = CaptureWindow(fires, recent, self.capture_steps)
+        self._open(step, fires)
         for fire in fires:
             self.fired[fire["kind"]] += 1
             level = logging.WARNING if self.fired[fire["kind"]] == 1 else logging.INFO
             log.log(level, "%s fired at step %d (%s): tracing step%s %d%s into '%s'.", fire["kind"], step,
                     fire["detail"], "s" if self.capture_steps > 1 else "", step + 1,
                     f"..{step + self.capture_steps}" if self.capture_steps > 1 else "", output_dir)
+
+    def _open(self, step: int, fires: list[dict[str, Any]]) -> None:
+        """Capture the `capture_steps` steps after `step`, for `fires`; the cooldown starts."""
+        self._quiet_until = step + self.cooldown_steps
+        recent = [r for r in self._traces.recent if r.step is not None and r.step > step - self.window]
+        self.pending = CaptureWindow(fires, recent, self.capture_steps)
+        self._opened_at = step
+
+    def opened_at(self, step: int) -> bool:
+        """Whether a fire at `step` opened a capture window on this rank (its vote under DDP)."""
+        return self._opened_at == step
+
+    def join(self, step: int, output_dir: Any = None) -> None:
+        """The ranks agreed that a trigger fired at `step` on one of them: this rank captures the same steps,
+        and its cooldown starts with theirs (so the ranks' windows stay one)."""
+        if not self.watching or self._opened_at == step:
+            return
+        self._open(step, [{"kind": OTHER_RANK, "step": step, "detail": "a trigger fired on another rank"}])
+        log.info("A trigger fired at step %d on another rank: tracing step%s %d%s into '%s' here too.", step,
+                 "s" if self.capture_steps > 1 else "", step + 1,
+                 f"..{step + self.capture_steps}" if self.capture_steps > 1 else "", output_dir)
 
     def observe(self, observation: StepObservation, values: dict[str, Any]) -> list[dict[str, Any]]:
         """Show `observation` (its `value` set from `values`, by each trigger's fetch) to every trigger; the

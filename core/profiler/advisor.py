@@ -22,7 +22,9 @@ What each checker counts as a cause, and why:
 - OperationChecker: compute ops (not casts, copies or views) on float64 tensors of more than one element,
   per module, with the optimizer's updates of that module's float64 parameters; layout copies
   (`aten::contiguous`) of 4 MiB and more per step; per-tensor optimizer updates on an accelerator.
-- JobChecker: a rank 20% slower than the fastest; communication taking 20% of the step and more.
+- JobChecker: the straggler of a distributed run: the rank the others wait for in collectives (gloo/nccl
+  all-reduce, broadcast, barrier ...), the gap between their waits 20% of the step and more (or, without
+  collectives, a rank 20% slower than the fastest); communication taking 20% of the step and more.
 - MemoryGrowthChecker: an op (at its module and code line) whose data made in every traced step is still
   allocated at the step's end, 16 KiB a step and more, over 3 traced steps and more; gradients and optimizer
   state are kept by design. Where the allocator's totals show every free (CUDA), they must rise too; on the
@@ -41,6 +43,7 @@ from typing import Any
 from hookprof.profiler.profile_data import (
     ACCEL,
     BYTES,
+    COLLECTIVE,
     COUNT,
     CPU,
     MICROS,
@@ -89,7 +92,6 @@ _UPDATE_OPS = frozenset({"aten::add_", "aten::mul_", "aten::addcmul_", "aten::ad
                          "aten::sqrt", "aten::div_", "aten::sub_"})
 _ITEMSIZE = {"float64": 8, "int64": 8, "complex64": 8, "complex128": 16, "float32": 4, "int32": 4,
              "uint32": 4, "float16": 2, "bfloat16": 2, "int16": 2, "uint16": 2}
-_COMMUNICATION = re.compile(r"^(c10d::|nccl:|gloo:|record_param_comms)|ProcessGroup", re.IGNORECASE)
 # hookprof's own frames: `hookprof/...` where installed; in a source checkout its folder's name (`core/...`)
 _OWN_PACKAGE = os.path.basename(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _LIBRARY_FRAME = re.compile(r"^(torch|lightning|pytorch_lightning|lightning_fabric|keras|hookprof|lightning_prof|"
@@ -258,7 +260,7 @@ def input_pipeline(profile: ProfileData) -> list[dict[str, Any]]:
     no wait.
     """
     clean = [s for s in profile.steps.values()
-             if s.step_micros and s.data_wait_micros and s.step - 1 not in profile.steps]
+             if s.step_micros and s.data_wait_micros and (s.rank, s.step - 1) not in profile.steps]
     if not clean:
         return []
     wait = statistics.mean(s.data_wait_micros for s in clean)
@@ -437,23 +439,52 @@ def operation_checks(profile: ProfileData) -> list[dict[str, Any]]:
 
 
 def job_checks(profile: ProfileData) -> list[dict[str, Any]]:
+    """The ranks of a distributed run against each other, and communication.
+
+    Under DDP the ranks' steps take the same time (each waits at the gradient all-reduce for the last to come),
+    so a straggler shows as the others' wait in collectives: the rank that waits least is the slow one, and the
+    gap between the ranks' waits is what it costs them every step. Without collectives in the profile (a run
+    that never syncs), a rank whose steps take 20% longer is named. Communication is what the least-waiting rank
+    spends in collectives (the others' extra wait is the straggler's), against its step.
+    """
     findings = []
-    by_rank: dict[int, list[float]] = {}
-    for s in profile.steps.values():
-        if s.step_micros:
-            by_rank.setdefault(s.rank, []).append(s.step_micros)
-    if len(by_rank) > 1:
-        means = {rank: statistics.mean(v) for rank, v in by_rank.items()}
-        slow = max(means, key=means.get)
-        fast = min(means, key=means.get)
-        spread = means[slow] / means[fast] - 1 if means[fast] else 0.0
+    steps = [s for s in profile.steps.values() if s.step_micros]
+    by_rank: dict[int, list[Any]] = {}
+    for s in steps:
+        by_rank.setdefault(s.rank, []).append(s)
+    step_us = {rank: statistics.mean(s.step_micros for s in own) for rank, own in by_rank.items()}
+    wait = {rank: statistics.mean(s.collective_micros for s in own) for rank, own in by_rank.items()}
+    measured = any(s.collective_waits for s in steps)
+    if len(by_rank) > 1 and measured:
+        slow, waiting = min(wait, key=wait.get), max(wait, key=wait.get)
+        share = (wait[waiting] - wait[slow]) / step_us[waiting] if step_us[waiting] else 0.0
+        if share >= STRAGGLER_SPREAD:
+            waits = {rank: statistics.mean(s.collective_waits for s in own) for rank, own in by_rank.items()}
+            names = sorted({name for s in steps for name in s.collectives})
+            others = ", ".join(f"rank {rank} {format_time(wait[rank])}" for rank in sorted(wait) if rank != slow)
+            findings.append({
+                "severity": share,
+                "evidence": {"slow_rank": slow, "collective_us_by_rank": wait, "collective_waits_by_rank": waits,
+                             "collectives": names, "step_us_by_rank": step_us},
+                "report": f"Straggler: rank {slow} is slow: the other ranks wait for it in collectives every step "
+                          f"({others}, rank {slow} itself {format_time(wait[slow])}; {waits[waiting]:.1f} collective "
+                          f"calls a step: {', '.join(names)}), {100 * share:.0f}% of rank {waiting}'s step. Look for "
+                          f"what rank {slow} does more: its data (a larger or slower shard), extra work on that "
+                          "rank, or a slower device."})
+    elif len(by_rank) > 1:
+        slow, fast = max(step_us, key=step_us.get), min(step_us, key=step_us.get)
+        spread = step_us[slow] / step_us[fast] - 1 if step_us[fast] else 0.0
         if spread >= STRAGGLER_SPREAD:
-            findings.append({"severity": 1 - means[fast] / means[slow], "evidence": {"step_us_by_rank": means},
-                             "report": f"Straggler: rank {slow} takes {format_time(means[slow])} per step against "
-                                       f"{format_time(means[fast])} on rank {fast} (+{100 * spread:.0f}%); every "
+            findings.append({"severity": 1 - step_us[fast] / step_us[slow],
+                             "evidence": {"slow_rank": slow, "step_us_by_rank": step_us},
+                             "report": f"Straggler: rank {slow} takes {format_time(step_us[slow])} per step against "
+                                       f"{format_time(step_us[fast])} on rank {fast} (+{100 * spread:.0f}%); every "
                                        "rank waits for it at each gradient sync."})
     step = _step_micros(profile) or 1.0
-    comm = sum(_mean_micros(n, CPU) for n in profile.nodes.values() if _COMMUNICATION.search(n.op))
+    if measured:
+        comm = min(wait.values())
+    else:
+        comm = sum(_mean_micros(n, CPU) for n in profile.nodes.values() if COLLECTIVE.search(n.op))
     if comm / step >= COMMUNICATION_SHARE:
         findings.append({"severity": comm / step, "evidence": {"communication_us": comm},
                          "report": f"Communication takes {format_time(comm)} per step ({100 * comm / step:.1f}% of "
@@ -476,51 +507,61 @@ def memory_growth(profile: ProfileData) -> list[dict[str, Any]]:
     every traced step's survivors, leak or not (a healthy two-layer model: +652 B per traced step), so on the
     host the data a step keeps is the evidence (data a module replaces each step is named there too).
     """
-    steps = sorted(s.step for s in profile.steps.values() if s.allocated)
-    if len(steps) < MEMORY_GROWTH_MIN_STEPS:
-        return []
+    findings: dict[tuple[str, str, str, str | None], dict[str, Any]] = {}
     lines = op_code_lines(profile)
+    for rank in sorted({s.rank for s in profile.steps.values()}):  # (each rank's steps apart; a cause once)
+        for cause, finding in _memory_growth(profile, rank, lines).items():
+            findings.setdefault(cause, finding)
+    return list(findings.values())
+
+
+def _memory_growth(profile: ProfileData, rank: int, lines: dict[str, str | None]
+                   ) -> dict[tuple[str, str, str, str | None], dict[str, Any]]:
+    steps = sorted(s.step for s in profile.steps.values() if s.allocated and s.rank == rank)
+    if len(steps) < MEMORY_GROWTH_MIN_STEPS:
+        return {}
     causes: dict[tuple[str, str, str, str | None], dict[int, float]] = {}
     for node in profile.nodes.values():
         if node.phase in _KEPT_BY_DESIGN:
             continue
         for step in steps:
-            kept = node.steps[step][RESIDUAL] if step in node.steps else 0.0
+            figures = node.steps.get((rank, step))
+            kept = figures[RESIDUAL] if figures else 0.0
             if kept:
                 where = (node.memory_device or node.device, node.scope, node.op, lines.get(node.name))
                 per_step = causes.setdefault(where, {})
                 per_step[step] = per_step.get(step, 0.0) + kept
     span = steps[-1] - steps[0]
-    requested = statistics.mean(sum(n.steps[s][BYTES] for n in profile.nodes.values() if s in n.steps)
-                                for s in steps) or 1.0
-    findings = []
+    requested = statistics.mean(sum(n.steps[(rank, s)][BYTES] for n in profile.nodes.values()
+                                    if (rank, s) in n.steps) for s in steps) or 1.0
+    findings = {}
     for (device, scope, op, line), per_step in causes.items():
         kept = min(per_step.values())
         if len(per_step) < len(steps) or kept < MEMORY_GROWTH_MIN_BYTES:
             continue
-        rise = _allocated_rise(profile, steps, device)
+        rise = _allocated_rise(profile, rank, steps, device)
         if rise is not None and rise < MEMORY_GROWTH_MIN_BYTES:
             continue  # the allocator's totals hold steady: the data is replaced, not accumulated
         measured = f"; bytes in use on {device} rose {format_memory(rise)} per step" if rise is not None else ""
-        findings.append({
+        findings[(device, scope, op, line)] = {
             "severity": min(1.0, kept * span / requested),
             "evidence": {"scope": scope, "op": op, "code_line": line, "device": device, "bytes_per_step": kept,
-                         "kept_bytes": per_step, "allocated_rise_per_step": rise, "steps": steps},
+                         "kept_bytes": per_step, "allocated_rise_per_step": rise, "steps": steps, "rank": rank},
             "report": f"Memory growth: {op} in {_where(scope, line)} makes {format_memory(kept)} per step that "
                       f"is still allocated at the step's end, in each of the {len(steps)} traced steps (steps "
                       f"{steps[0]}-{steps[-1]}): {format_memory(kept * span)} more held at step {steps[-1]} than "
                       f"at step {steps[0]}{measured}. Something keeps each step's tensors (a list or dict that "
                       "grows); keep .item() values, or drop what you keep.",
-        })
+        }
     return findings
 
 
-def _allocated_rise(profile: ProfileData, steps: list[int], device: str) -> float | None:
+def _allocated_rise(profile: ProfileData, rank: int, steps: list[int], device: str) -> float | None:
     """The rise per step of the bytes in use on `device` at the end of the traced steps (0 unless they rise
     from each traced step to the next); None on the host, whose totals cannot show it (see memory_growth)."""
     if device.startswith(_HOST_DEVICE):
         return None
-    ends = [profile.steps[step].allocated.get(device) for step in steps]
+    ends = [profile.steps[(rank, step)].allocated.get(device) for step in steps]
     if None in ends or not all(later > earlier for earlier, later in zip(ends, ends[1:])):
         return 0.0
     return (ends[-1] - ends[0]) / (steps[-1] - steps[0])

@@ -114,8 +114,8 @@ def check_step(profile: ProfileData, step: Any, argument: str) -> None:
     """A ValueError naming `argument` unless `step` is a step the profile traced."""
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"diff({argument}={step!r}): a step is an int >= 0, one of the traced steps.")
-    if step not in profile.steps:
-        traced = ", ".join(map(str, sorted(profile.steps))) or "none"
+    if step not in profile.step_numbers():
+        traced = ", ".join(map(str, profile.step_numbers())) or "none"
         raise ValueError(f"diff({argument}={step}): step {step} was not traced (traced steps: {traced}).")
 
 
@@ -164,7 +164,7 @@ def _rows(profile: ProfileData, step: int, section: str, opts: dict[str, Any], l
 
 def _ops(profile: ProfileData, step: int, opts: dict[str, Any]) -> dict[str, dict[str, float]]:
     """The accounted ops that ran at `step`: node name -> figures."""
-    rows, _ = group_rows(profile, {**opts, "step": step}, lambda data: [data.name] if step in data.steps else [])
+    rows, _ = group_rows(profile, {**opts, "step": step}, lambda data: [data.name] if data.ran_at(step) else [])
     return {name: _figures(row.self_) for name, row in rows.items()}
 
 

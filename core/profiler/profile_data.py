@@ -6,6 +6,10 @@ op minus the ops nested in it, so nested ops are never counted twice), accelerat
 to the op that launched them), requested/peak/residual/output bytes, float ops. Per step also: the step's
 span, its data wait, and the busy time of its ops, for the advisor. All of it is plain data, serialisable.
 
+Steps are keyed by `(rank, global step)`: the profiles of a distributed run's ranks merge into one
+(`ProfileData.merge`) without adding one rank's step to another's, and the advisor compares the ranks. A step's
+figures at step N (`NodeData.figures(N)`) are the mean over the ranks that traced it.
+
 Output bytes are TF's: the sizes of the tensors an op produced in the step (its outputs' descriptions), read by
 a later op or not (TF's `ExecStep::AddMemoryStats` summed every output of the node's executions in the step).
 """
@@ -23,6 +27,14 @@ from hookprof.trace import format as fmt
 # per-step figures of a node, by position
 COUNT, MICROS, CPU, ACCEL, BYTES, PEAK, RESIDUAL, OUTPUT, FLOPS = range(9)
 N_FIGURES = 9
+
+StepKey = tuple[int, int]  # (rank, global step)
+
+# Collective communication, by event name (op, span or kernel): torch's c10d ops, the backends' own spans
+# (`gloo:all_reduce`, which runs on gloo's thread and lasts as long as the rank waits for its peers;
+# `nccl:all_reduce`), NCCL's kernels, and `record_param_comms`
+COLLECTIVE = re.compile(r"^(c10d::|nccl|gloo:|record_param_comms)|ProcessGroup", re.IGNORECASE)
+_BACKEND_CALL = re.compile(r"^(gloo|nccl|mpi|ucc|xccl):", re.IGNORECASE)  # one per collective call
 
 
 _FRAME = re.compile(r"^(?P<file>.*)\((?P<line>\d+)\): (?P<func>.*)$")
@@ -51,17 +63,22 @@ class NodeData:
     inputs: list[str] = dataclasses.field(default_factory=list)  # producer node names
     stack: list[str] = dataclasses.field(default_factory=list)
     params: int = 0
-    steps: dict[int, list[float]] = dataclasses.field(default_factory=dict)
+    steps: dict[StepKey, list[float]] = dataclasses.field(default_factory=dict)
     memory_device: str = ""  # where its allocations live (ops run on the host, their tensors may not)
 
     def figures(self, step: int) -> list[float]:
-        """Figures at `step`, or (step -1) the mean over the steps this node ran in; parameters have no steps."""
+        """Figures at `step` (the mean over the ranks that traced it), or (step -1) the mean over the steps this
+        node ran in; parameters have no steps."""
         if not self.steps:
             return [0.0] * N_FIGURES
-        if step >= 0:
-            return self.steps.get(step) or [0.0] * N_FIGURES
-        n = len(self.steps)
-        return [sum(values) / n for values in zip(*self.steps.values())]
+        rows = list(self.steps.values()) if step < 0 else [f for (_, s), f in self.steps.items() if s == step]
+        if len(rows) <= 1:
+            return rows[0] if rows else [0.0] * N_FIGURES
+        return [sum(values) / len(rows) for values in zip(*rows)]
+
+    def ran_at(self, step: int) -> bool:
+        """Whether this node ran at global step `step` (on any rank; step -1: at any step)."""
+        return bool(self.steps) and (step < 0 or any(s == step for _, s in self.steps))
 
 
 @dataclasses.dataclass
@@ -78,6 +95,11 @@ class StepSummary:
     rank: int = 0
     accelerator_busy: dict[str, float] = dataclasses.field(default_factory=dict)
     allocated: dict[str, float] = dataclasses.field(default_factory=dict)
+    # time in collectives (the union of their events, waits for the other ranks included), how many calls,
+    # and their names
+    collective_micros: float = 0.0
+    collective_waits: int = 0
+    collectives: list[str] = dataclasses.field(default_factory=list)
 
 
 class ProfileData:
@@ -85,7 +107,29 @@ class ProfileData:
 
     def __init__(self) -> None:
         self.nodes: dict[str, NodeData] = {}
-        self.steps: dict[int, StepSummary] = {}
+        self.steps: dict[StepKey, StepSummary] = {}
+
+    def step_numbers(self) -> list[int]:
+        """The global steps traced (on any rank), in order."""
+        return sorted({step for _, step in self.steps})
+
+    def merge(self, other: ProfileData) -> None:
+        """Add `other`'s steps (another rank's, another run's) to these. A (rank, step) both hold is refused:
+        the same step of the same rank twice is no profile of one run."""
+        both = sorted(self.steps.keys() & other.steps.keys())
+        if both:
+            rank, step = both[0]
+            raise ValueError(f"merge: both profiles hold step {step} of rank {rank}; merge the profiles of "
+                             "different ranks (each rank's Profiler.serialize_to_string()).")
+        for name, theirs in other.nodes.items():
+            mine = self.nodes.get(name)
+            if mine is None:
+                self.nodes[name] = dataclasses.replace(theirs, steps=dict(theirs.steps), inputs=list(theirs.inputs))
+                continue
+            mine.steps.update(theirs.steps)
+            mine.inputs += [source for source in theirs.inputs if source not in mine.inputs]
+            mine.memory_device = mine.memory_device or theirs.memory_device
+        self.steps.update(other.steps)
 
     def add_model(self, model: Any, op_log: dict[str, list[str]] | None = None) -> None:
         """The model's parameters as `_trainable_variables` (or `_variables`) nodes with their counts."""
@@ -104,8 +148,13 @@ class ProfileData:
                 raise ValueError(f"op_log names {name!r}, which is no node of the model or of a traced step.")
             node.op_types = sorted(set(node.op_types) | set(types))
 
-    def add_step(self, step: int, stats: StepStats, op_log: dict[str, list[str]] | None = None) -> None:
-        """Accumulate one traced step (adding the same step twice adds up, as TF's add_step did)."""
+    def add_step(self, step: int, stats: StepStats, op_log: dict[str, list[str]] | None = None,
+                 rank: int | None = None) -> None:
+        """Accumulate one traced step of `rank` (default: the rank its stats say, else 0); adding the same step
+        twice adds up, as TF's add_step did."""
+        if rank is None:
+            rank = step_rank(stats)
+        key = (rank, step)
         ops = [n for dev in stats.dev_stats for n in dev.node_stats if n.category == fmt.CAT_OP]
         parents = _enclosing_ops(ops)
         exclusive = _exclusive_micros(ops, parents)
@@ -136,7 +185,7 @@ class ProfileData:
                 if source not in data.inputs:
                     data.inputs.append(source)
             data.memory_device = memory_device.get(id(node), data.memory_device)
-            figures = data.steps.setdefault(step, [0.0] * N_FIGURES)
+            figures = data.steps.setdefault(key, [0.0] * N_FIGURES)
             cpu = exclusive.get(id(node), 0.0)
             accel = accelerator.get(id(node), 0.0)
             nbytes, residual = allocated.get(id(node), (0, 0))
@@ -153,7 +202,12 @@ class ProfileData:
         for name, types in (op_log or {}).items():
             if name in self.nodes:
                 self.nodes[name].op_types = sorted(set(self.nodes[name].op_types) | set(types))
-        self.steps[step] = _step_summary(step, stats, ops, self.steps.get(step))
+        self.steps[key] = _step_summary(step, rank, stats, ops, self.steps.get(key))
+
+
+def step_rank(stats: StepStats) -> int:
+    """The rank a traced step ran on (its metadata's; 0 where it does not say)."""
+    return int(stats.metadata.get(fmt.RANK, 0) or 0)
 
 
 def _enclosing_ops(ops: list[NodeExecStats]) -> dict[int, NodeExecStats]:
@@ -233,10 +287,11 @@ def _accelerator_micros(stats: StepStats) -> dict[int, float]:
     return out
 
 
-def _step_summary(step: int, stats: StepStats, ops: list[NodeExecStats], previous: StepSummary | None
+def _step_summary(step: int, rank: int, stats: StepStats, ops: list[NodeExecStats], previous: StepSummary | None
                   ) -> StepSummary:
     spans = {n.op: n for dev in stats.dev_stats for n in dev.node_stats if n.category == fmt.CAT_SPAN}
-    summary = previous or StepSummary(step, rank=int(stats.metadata.get(fmt.RANK, 0) or 0))
+    summary = previous or StepSummary(step, rank=rank)
+    _add_collectives(summary, stats)
     train = spans.get(fmt.TRAIN_STEP)
     if train is not None:
         summary.step_micros += train.duration_ns / 1000
@@ -265,3 +320,24 @@ def _step_summary(step: int, stats: StepStats, ops: list[NodeExecStats], previou
             last[sample.device] = (sample.ts_ns, sample.total_allocated)
     summary.allocated.update({device: float(nbytes) for device, (_, nbytes) in last.items()})
     return summary
+
+
+def _add_collectives(summary: StepSummary, stats: StepStats) -> None:
+    """The step's time in collectives: the union of their events' intervals (an op, the backend's span on its
+    own thread and a kernel of one call overlap; the wall time is what the rank spent), and the calls: the
+    backend's events (`gloo:all_reduce`), else torch's c10d ops."""
+    events = [n for dev in stats.dev_stats for n in dev.node_stats if COLLECTIVE.search(n.op)]
+    if not events:
+        return
+    micros, end = 0, None
+    for start, stop in sorted((n.start_ns, n.start_ns + n.duration_ns) for n in events):
+        if end is None or start > end:
+            micros += stop - start
+            end = stop
+        elif stop > end:
+            micros += stop - end
+            end = stop
+    calls = [n for n in events if _BACKEND_CALL.match(n.op)] or [n for n in events if n.op.startswith("c10d::")]
+    summary.collective_micros += micros / 1000
+    summary.collective_waits += len(calls)
+    summary.collectives = sorted(set(summary.collectives) | {n.op for n in calls or events})

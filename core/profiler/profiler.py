@@ -22,7 +22,7 @@ from hookprof._runtime.background import BackgroundJob
 from hookprof._runtime.gc_pause import paused_gc
 from hookprof.profiler import views
 from hookprof.profiler.options import check_options
-from hookprof.profiler.profile_data import ProfileData
+from hookprof.profiler.profile_data import ProfileData, StepKey, step_rank
 from hookprof.step_stats import StepStats
 from hookprof.trace import format as fmt
 
@@ -48,7 +48,7 @@ class Profiler:
             raise TypeError("`Profiler(op_log=...)` must be a dict of node name -> list of op type names.")
         self._data = ProfileData()
         self._op_log = dict(op_log or {})
-        self._recent: collections.OrderedDict[int, StepStats] = collections.OrderedDict()
+        self._recent: collections.OrderedDict[StepKey, StepStats] = collections.OrderedDict()
         self._pending: list[BackgroundJob] = []
         if graph is not None:
             self._data.add_model(graph, self._op_log)
@@ -68,19 +68,38 @@ class Profiler:
         self._settle()
         return self._data
 
-    def add_step(self, step: int, run_meta: Any) -> None:
-        """Add one traced step's `RunMetadata` (the same step added twice accumulates)."""
+    def add_step(self, step: int, run_meta: Any, rank: int | None = None) -> None:
+        """Add one traced step's `RunMetadata` (the same step of the same rank added twice accumulates).
+        `rank`: the distributed rank it ran on; default: the one its metadata names (a ProfilerHook's steps
+        carry theirs), else 0. Steps are kept by (rank, step), never added across ranks."""
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"add_step(step={step!r}): `step` must be an int >= 0.")
+        if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 0):
+            raise ValueError(f"add_step(rank={rank!r}): `rank` must be an int >= 0, or None for the step's own.")
         self._settle()  # (at once on the background thread, where a ProfilerHook adds its steps)
         stats = getattr(run_meta, "step_stats", run_meta)
         if not isinstance(stats, StepStats):
             raise TypeError("add_step: `run_meta` must be a RunMetadata of a traced step, got "
                             f"{type(run_meta).__name__}.")
+        key = (step_rank(stats) if rank is None else rank, step)
         with paused_gc():
-            self._data.add_step(step, stats, self._op_log)
-        self._recent[step] = stats
-        self._recent.move_to_end(step)
+            self._data.add_step(step, stats, self._op_log, rank=key[0])
+        self._recent[key] = stats
+        self._recent.move_to_end(key)
+        while len(self._recent) > KEEP_STEP_STATS:
+            self._recent.popitem(last=False)
+
+    def merge(self, other: Profiler) -> None:
+        """Add another Profiler's steps to this one's: the ranks of a distributed run, each profiled in its own
+        process, in one profile (`Profiler.load` each rank's `serialize_to_string()`), whose `advise()` then
+        compares the ranks. Refuses a step of a rank both hold."""
+        if not isinstance(other, Profiler):
+            raise TypeError(f"merge(other=...) must be a Profiler (another rank's), got {type(other).__name__}.")
+        self._settle()
+        other._settle()
+        with paused_gc():
+            self._data.merge(other._data)
+        self._recent.update(other._recent)
         while len(self._recent) > KEEP_STEP_STATS:
             self._recent.popitem(last=False)
 
@@ -141,11 +160,11 @@ class Profiler:
 
         if not self._recent:
             raise ValueError("timeline output needs a traced step; add_step has not been called.")
-        chosen = next(reversed(self._recent)) if step < 0 else step
-        stats = self._recent.get(chosen)
+        chosen = next(reversed(self._recent))[1] if step < 0 else step
+        stats = next((self._recent[key] for key in sorted(self._recent) if key[1] == chosen), None)  # (lowest rank)
         if stats is None:
             raise ValueError(f"timeline output: step {chosen} is not among the last {KEEP_STEP_STATS} traced steps "
-                             f"{list(self._recent)}; pick one of them with with_step().")
+                             f"{sorted({s for _, s in self._recent})}; pick one of them with with_step().")
         kept = StepStats(step=chosen, metadata=dict(stats.metadata), edges=[
             e for e in stats.edges if e.producer.node_name in shown and e.consumer.node_name in shown])
         for dev in stats.dev_stats:

@@ -5,16 +5,17 @@ length of the uncompressed payload, then the payload compressed with zlib. The p
 
     {"format": "hookprof.profile", "version": 1,
      "nodes": [{"name", "op", "scope", "device", "phase", "op_types", "input_shapes", "input_dtypes",
-                "inputs", "stack", "params", "memory_device", "steps": {"<step>": [9 figures]}}],
+                "inputs", "stack", "params", "memory_device", "steps": {"<step>" or "<step>@<rank>": [9 figures]}}],
      "steps": [{"step", "step_micros", "data_wait_micros", "busy_micros", "gaps", "rank",
-                "accelerator_busy", "allocated"}]}
+                "accelerator_busy", "allocated", "collective_micros", "collective_waits", "collectives"}]}
 
 The 9 figures per step are: run count, micros, cpu micros, accelerator micros, requested bytes, peak bytes,
 residual bytes, output bytes, float ops. A node's `memory_device` and a step's `allocated` (per device, the
-bytes in use at its end) came after the first files of version 1, which load without them. Loading checks the
-magic, the version, the declared size against a limit before inflating anything (and inflates no more than
-declared, a MiB at a time, refusing data that inflates faster than 200:1 as it goes), and every field's type;
-no pickle, so a hostile file can at worst be refused.
+bytes in use at its end) came after the first files of version 1, which load without them; so did a node's
+steps of ranks other than 0 (`"<step>@<rank>"`; rank 0's are `"<step>"`, as before) and a step's collectives.
+Loading checks the magic, the version, the declared size against a limit before inflating anything (and
+inflates no more than declared, a MiB at a time, refusing data that inflates faster than 200:1 as it goes),
+and every field's type; no pickle, so a hostile file can at worst be refused.
 """
 
 from __future__ import annotations
@@ -73,12 +74,14 @@ def dumps(data: ProfileData) -> bytes:
             "name": n.name, "op": n.op, "scope": n.scope, "device": n.device, "phase": n.phase,
             "op_types": n.op_types, "input_shapes": n.input_shapes, "input_dtypes": n.input_dtypes,
             "inputs": n.inputs, "stack": n.stack, "params": n.params, "memory_device": n.memory_device,
-            "steps": {str(step): figures for step, figures in n.steps.items()},
+            "steps": {_step_name(key): figures for key, figures in n.steps.items()},
         } for n in data.nodes.values()],
         "steps": [{
             "step": s.step, "step_micros": s.step_micros, "data_wait_micros": s.data_wait_micros,
             "busy_micros": s.busy_micros, "gaps": [list(g) for g in s.gaps], "rank": s.rank,
             "accelerator_busy": s.accelerator_busy, "allocated": s.allocated,
+            "collective_micros": s.collective_micros, "collective_waits": s.collective_waits,
+            "collectives": s.collectives,
         } for s in data.steps.values()],
     }
     payload = orjson.dumps(doc)
@@ -144,10 +147,11 @@ def _from_doc(doc: Any) -> ProfileData:
                         raw["input_shapes"], raw["input_dtypes"], raw["inputs"], raw["stack"], raw["params"],
                         memory_device=raw.get("memory_device", ""))
         for step, figures in per_step.items():
-            _check(step.isdigit(), f"node {i}: step {step!r} is not a step number")
+            key = _step_key(step)
+            _check(key is not None, f"node {i}: step {step!r} is not a step number (N, or N@rank)")
             _check(isinstance(figures, list) and len(figures) == N_FIGURES and all(map(_number, figures)),
                    f"node {i}: step {step} must hold {N_FIGURES} numbers")
-            node.steps[int(step)] = [float(v) for v in figures]
+            node.steps[key] = [float(v) for v in figures]
         _check(node.name not in data.nodes, f"node {node.name!r} appears twice")
         data.nodes[node.name] = node
     for i, raw in enumerate(steps):
@@ -164,7 +168,28 @@ def _from_doc(doc: Any) -> ProfileData:
         allocated = raw.get("allocated", {})
         _check(isinstance(allocated, dict) and all(isinstance(k, str) and _number(v) for k, v in allocated.items()),
                f"step entry {i}: 'allocated' must map devices to numbers")
-        data.steps[raw["step"]] = StepSummary(raw["step"], raw["step_micros"], raw["data_wait_micros"],
-                                              raw["busy_micros"], [tuple(g) for g in gaps], raw["rank"], busy,
-                                              {k: float(v) for k, v in allocated.items()})
+        collectives = raw.get("collectives", [])
+        _check(_number(raw.get("collective_micros", 0)) and isinstance(raw.get("collective_waits", 0), int)
+               and _str_list(collectives), f"step entry {i}: 'collective_micros' must be a number, "
+               "'collective_waits' an int, 'collectives' a list of names")
+        key = (raw["rank"], raw["step"])
+        _check(key not in data.steps, f"step {raw['step']} of rank {raw['rank']} appears twice")
+        data.steps[key] = StepSummary(raw["step"], raw["step_micros"], raw["data_wait_micros"], raw["busy_micros"],
+                                      [tuple(g) for g in gaps], raw["rank"], busy,
+                                      {k: float(v) for k, v in allocated.items()},
+                                      float(raw.get("collective_micros", 0)), raw.get("collective_waits", 0),
+                                      collectives)
     return data
+
+
+def _step_name(key: tuple[int, int]) -> str:
+    """A node's step key in the file: `N` for rank 0 (what profiles before ranks were kept wrote), `N@rank`."""
+    rank, step = key
+    return str(step) if rank == 0 else f"{step}@{rank}"
+
+
+def _step_key(name: str) -> tuple[int, int] | None:
+    step, _, rank = name.partition("@")
+    if not step.isdigit() or (rank and not rank.isdigit()) or (_ and not rank):
+        return None
+    return (int(rank or 0), int(step))

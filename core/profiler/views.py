@@ -252,7 +252,7 @@ def _leaf(data: NodeData, name: str, options: dict[str, Any]) -> ViewNode:
 
 
 def _included(data: NodeData, step: int) -> bool:
-    return data.params > 0 or (bool(data.steps) and (step < 0 or step in data.steps))
+    return data.params > 0 or data.ran_at(step)
 
 
 def scope_tree(profile: ProfileData, options: dict[str, Any]) -> ViewNode:

@@ -1,0 +1,160 @@
+"""One 2-rank gloo DDP `Trainer.fit` on CPU, for tests/test_ddp_agree.py: `python tests/ddp_fit.py SCENARIO OUT`.
+
+Each rank writes what it saw to `OUT/rank<r>.json` (its global step at the end, the steps it saved or traced).
+The process group times out after `TIMEOUT` seconds, so a rank left waiting in a collective fails the fit
+instead of hanging the test.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import lightning as L  # noqa: E402
+import torch  # noqa: E402
+from lightning.pytorch.callbacks import Callback  # noqa: E402
+from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
+
+from hookprof import SessionRunHook  # noqa: E402
+from hookprof.profiler import Profiler  # noqa: E402
+from hookprof.triggers import NonFinite  # noqa: E402
+from lightning_prof import CheckpointSaverHook, CheckpointSaverListener, HookCallback, NanTensorHook, ProfilerHook  # noqa: E402
+from lightning_prof.hook_callback import LightningSession  # noqa: E402
+from tests.lightning_models import TinyModel, loader  # noqa: E402
+
+TIMEOUT = 20  # seconds a rank waits in a collective before the fit fails
+
+
+class Model(TinyModel):
+    """TinyModel whose loss is NaN on rank `nan_rank` from step `nan_step`, and whose step sleeps `sleep` s on
+    rank `slow_rank`."""
+
+    def __init__(self, nan_rank=None, nan_step=None, slow_rank=None, sleep=0.0):
+        super().__init__()
+        self.nan_rank, self.nan_step, self.slow_rank, self.sleep = nan_rank, nan_step, slow_rank, sleep
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        rank = self.trainer.global_rank
+        if rank == self.slow_rank:
+            time.sleep(self.sleep)
+        if rank == self.nan_rank and self.trainer.global_step + 1 >= self.nan_step:
+            loss = loss * float("nan")
+        return loss
+
+
+class Lag(Callback):
+    """Sleeps after each batch on one rank, before the hooks run: the ranks read their clocks apart."""
+
+    def __init__(self, rank: int, seconds: float) -> None:
+        self.rank, self.seconds = rank, seconds
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        if trainer.global_rank == self.rank:
+            time.sleep(self.seconds)
+
+
+class StopOnRank(SessionRunHook):
+    """A user hook that asks to stop on one rank only, once `step` is reached."""
+
+    def __init__(self, rank: int, step: int) -> None:
+        self.rank, self.step = rank, step
+
+    def after_run(self, run_context, run_values) -> None:
+        session = run_context.session
+        if session.rank == self.rank and session.global_step >= self.step:
+            run_context.request_stop()
+
+
+class Saves(CheckpointSaverListener):
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+
+    def before_save(self, session, global_step_value) -> None:
+        self.steps.append(global_step_value)
+
+
+class AgreeCost(Callback):
+    """Times the ways to agree once training is over (both ranks in step), in microseconds a call, the best of 3
+    rounds of 300 calls: `session.agree` of 1 and of 3 decisions, torch's bare all_reduce (of one tensor, and of a
+    new tensor each call), and Lightning's `strategy.reduce_boolean_decision` (a barrier, then the all_reduce)."""
+
+    def __init__(self) -> None:
+        self.micros: dict[str, float] = {}
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        session = LightningSession(trainer, pl_module)
+        votes = torch.zeros(1, dtype=torch.int)
+        ways = {"agree_1": lambda: session.agree([False]), "agree_3": lambda: session.agree([False] * 3),
+                "all_reduce": lambda: torch.distributed.all_reduce(votes),
+                "all_reduce_new_tensor": lambda: torch.distributed.all_reduce(torch.zeros(1, dtype=torch.int)),
+                "reduce_boolean_decision": lambda: trainer.strategy.reduce_boolean_decision(False, all=False)}
+        for _ in range(3):
+            for name, call in ways.items():
+                start = time.perf_counter()
+                for _ in range(300):
+                    call()
+                micros = (time.perf_counter() - start) / 300 * 1e6
+                self.micros[name] = min(micros, self.micros.get(name, micros))
+
+
+def nan_on_rank_1(state) -> float:
+    """A value non-finite on rank 1 at step 3 only (a trigger's fetch)."""
+    return float("nan") if state.session.rank == 1 and state.step == 3 else 1.0
+
+
+def main(scenario: str, out: str) -> None:
+    callbacks: list = []
+    model = Model()
+    max_steps = 8
+    record: dict = {}
+    if scenario == "nan":
+        model = Model(nan_rank=1, nan_step=3)
+        callbacks = [NanTensorHook("loss", fail_on_nan_loss=False)]
+    elif scenario == "user_stop":
+        callbacks = [HookCallback([StopOnRank(rank=1, step=3)])]
+    elif scenario == "checkpoint_secs":
+        saves = Saves()
+        max_steps = 24
+        callbacks = [Lag(0, 0.03), CheckpointSaverHook(os.path.join(out, "ckpt"), save_secs=0.1, listeners=[saves])]
+        record["saves"] = saves.steps
+    elif scenario == "trace_secs":
+        max_steps = 16
+        callbacks = [Lag(0, 0.03),
+                     ProfilerHook(save_secs=0.15, output_dir=os.path.join(out, "secs"), tensorboard=False),
+                     ProfilerHook(output_dir=os.path.join(out, "trigger"), triggers=[NonFinite(nan_on_rank_1)],
+                                  tensorboard=False, name="trigger")]
+    elif scenario == "straggler":
+        model = Model(slow_rank=1, sleep=0.05)
+        max_steps = 6
+        profiler = Profiler(model)
+        callbacks = [ProfilerHook(save_steps=2, output_dir=os.path.join(out, "timelines"), profiler=profiler,
+                                  tensorboard=False)]
+    elif scenario == "agree_cost":
+        cost = AgreeCost()
+        max_steps = 2
+        callbacks = [cost, HookCallback([SessionRunHook()])]
+        record["agree_us"] = cost.micros
+    else:
+        raise SystemExit(f"unknown scenario {scenario!r}")
+    trainer = L.Trainer(strategy=DDPStrategy(timeout=datetime.timedelta(seconds=TIMEOUT)), devices=2,
+                        accelerator="cpu", max_steps=max_steps, callbacks=callbacks, default_root_dir=out,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    trainer.fit(model, loader(n=256))
+    rank = trainer.global_rank
+    record.update(rank=rank, global_step=trainer.global_step)
+    if scenario == "straggler":
+        with open(os.path.join(out, f"rank{rank}.prof"), "wb") as f:
+            f.write(profiler.serialize_to_string())
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(record, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
