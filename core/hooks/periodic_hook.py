@@ -3,7 +3,6 @@ resumable state, the output directory, the TensorBoard stream it holds, and warn
 
 from __future__ import annotations
 
-import copy
 import logging
 import numbers
 import os
@@ -89,11 +88,10 @@ class PeriodicHook(SessionRunHook):
         """The schedule, so that a resumed run writes no duplicate and misses no step. A checkpoint taken inside
         a step this hook fires on, before its after_run (a `CheckpointSaverHook` earlier in the list), holds the
         schedule as it is after that step: what a resumed run reads does not depend on the hooks' order."""
-        timer = self._timer
-        if self._due and self._session is not None:
-            timer = copy.copy(timer)
-            timer.update_last_triggered_step(self._session.global_step)
-        return {"timer": timer.state_dict()}
+        state = self._timer.state_dict()
+        if self._due and self._session is not None and "last_triggered_step" in state:
+            state = {**state, "last_triggered_step": self._session.global_step}
+        return {"timer": state}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a schedule `state_dict` gave. A state hookprof does not write (a tampered or foreign
