@@ -27,13 +27,13 @@ EXTENSION = ".keras"
 def model_saver(session: Any) -> Callable[[str], str | None]:
     """The default checkpoint saver: the fit's model as a `.keras` archive (`model.save`'s format: configuration,
     weights and the optimizer's state, its `iterations` included) at `<path>.keras`, written under a temp name
-    and renamed into place (a reader never sees half a file)."""
-    model = session.model
+    and renamed into place (a reader never sees half a file). The model is read from the session at each save:
+    on the JAX backend that syncs this step's variables into it (they live outside the model during `fit`)."""
 
     def save(path: str) -> str:
         target = path + EXTENSION
         with atomic_write(target) as f:
-            _save_model(model, f, os.path.dirname(target))
+            _save_model(session.model, f, os.path.dirname(target))
         return target
 
     return save

@@ -61,6 +61,21 @@ class KerasSession(Session):
         self.steps_per_run = per_call if isinstance(per_call, int) and per_call > 1 else 1
 
     @property
+    def model(self) -> keras.Model:
+        """The model being fit. On the JAX backend its variables live outside it during `fit`: they are synced
+        into it first (Keras' own `jax_state_sync`, free when nothing changed), so a hook that saves the model or
+        reads its weights sees this step's."""
+        sync = self._sync
+        if sync is not None:
+            sync()
+        return self._model
+
+    @model.setter
+    def model(self, model: keras.Model) -> None:
+        self._model = model
+        self._sync = getattr(model, "jax_state_sync", None)
+
+    @property
     def global_step(self) -> int:
         return self._first_step + self.steps_done
 
@@ -206,13 +221,9 @@ _GATHERING: dict[int, _Fit] = {}  # id(token) -> a fit whose members are joining
 
 
 def _finished_step(session: KerasSession, logs: dict | None, batch_data: Any, batch: int) -> StepState:
-    """The finished step, built when a hook or summary reads it. On the JAX backend the weights live outside
-    the model during `fit`: they are synced into it first, so `step.model`'s weights are this step's."""
-    model = session.model
-    sync = getattr(model, "jax_state_sync", None)
-    if sync is not None:
-        sync()
-    return StepState(session.global_step, logs, batch_data, batch, model, logs, session)
+    """The finished step, built when a hook or summary reads it (`session.model`: this step's weights, on JAX
+    too)."""
+    return StepState(session.global_step, logs, batch_data, batch, session.model, logs, session)
 
 
 def tracer_factory(model: keras.Model) -> TracerFactory:

@@ -15,12 +15,14 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 from keras_prof import (  # noqa: E402
+    CheckpointSaverHook,
     HookCallback,
     Profiler,
     ProfilerHook,
     SessionRunArgs,
     SessionRunHook,
     SummarySaverHook,
+    latest_checkpoint,
     summary,
 )
 
@@ -82,8 +84,21 @@ def main(out: str) -> None:
     with jax.profiler.trace(os.path.join(out, "user_trace")):
         tiny_model("second").fit(x, y, batch_size=8, epochs=1, callbacks=[user_hook], verbose=0)
 
+    # CheckpointSaverHook alone (no hook fetches anything): each save holds that step's weights and optimizer
+    alone = tiny_model("alone")
+    alone.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    checkpoints = os.path.join(out, "ckpt")
+    checkpoint_hook = CheckpointSaverHook(checkpoints, save_steps=2)
+    alone.fit(x, y, batch_size=8, epochs=1, callbacks=[checkpoint_hook], verbose=0)
+    latest = keras.models.load_model(latest_checkpoint(checkpoints))
+    saved = sorted(int(name.split("-")[1].split(".")[0]) for name in os.listdir(checkpoints) if name.endswith(".keras"))
+
     result = {
         "backend": keras.backend.backend(),
+        "checkpoint_steps": saved,
+        "checkpoint_dropped": checkpoint_hook.hook.dropped_outputs,
+        "latest_iterations": int(latest.optimizer.iterations.numpy()),
+        "latest_equals_model": all(np.array_equal(a, b) for a, b in zip(latest.get_weights(), alone.get_weights())),
         "paths": hook.saved_paths,
         "fetched_jax_arrays": fetch.jax_arrays,
         "kernel_sums": fetch.sums,
