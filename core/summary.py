@@ -292,8 +292,10 @@ def image(name: str, images: Any, max_outputs: int = 3, collections: Iterable[st
           family: str | None = None, data_format: str | None = None) -> SummaryOp:
     """Images: `[N, H, W, C]` or one `[H, W, C]` (TF's layout), uint8 0-255 or floats in [0, 1].
 
-    `data_format` is `"NHWC"` or `"NCHW"`; None takes torch tensors as NCHW (torch's layout) and everything
-    else as NHWC. C is 1 (grey), 3 (RGB) or 4 (RGBA). At most `max_outputs` images are written.
+    `data_format` is `"NHWC"` or `"NCHW"`; None takes the framework's layout where it has one (Keras'
+    `image_data_format()`, channels_last by default, on every backend), else torch tensors as NCHW (torch's
+    layout) and everything else as NHWC. C is 1 (grey), 3 (RGB) or 4 (RGBA). At most `max_outputs` images are
+    written.
     """
     if data_format not in (None, "NHWC", "NCHW"):
         raise ValueError(f"summary.image(data_format={data_format!r}): use 'NHWC', 'NCHW' or None.")
@@ -301,7 +303,8 @@ def image(name: str, images: Any, max_outputs: int = 3, collections: Iterable[st
 
     def value(state: Any) -> Any:
         raw = images(state) if callable(images) else images
-        layout["format"] = data_format or ("NCHW" if type(raw).__module__.startswith("torch") else "NHWC")
+        framework = getattr(getattr(state, "session", None), "image_format", None)
+        layout["format"] = data_format or framework or ("NCHW" if type(raw).__module__.startswith("torch") else "NHWC")
         return raw
 
     def build(tag: str, array: np.ndarray) -> list:

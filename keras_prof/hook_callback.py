@@ -59,6 +59,7 @@ class KerasSession(Session):
         # callback for them: the global step (the optimizer's) then advances by that much per hookprof step
         per_call = getattr(model, "steps_per_execution", 1)
         self.steps_per_run = per_call if isinstance(per_call, int) and per_call > 1 else 1
+        self.image_format = "NCHW" if keras.config.image_data_format() == "channels_first" else "NHWC"
 
     @property
     def model(self) -> keras.Model:

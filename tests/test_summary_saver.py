@@ -175,7 +175,8 @@ def test_keras_summaries_on_the_saving_steps(tmp_dir):
     calls = []
     summary.scalar("loss", lambda step: (calls.append(step.step), step.outputs["loss"])[1])
     summary.histogram("fc1/kernel", lambda step: step.model.get_layer("fc1").kernel)
-    summary.image("inputs", lambda step: step.batch[0][:1].reshape(1, 1, 2, 4))
+    summary.image("inputs", lambda step: step.batch[0][:1].reshape(1, 2, 4, 1))  # Keras' layout: channels_last
+    summary.image("rgb", lambda step: step.batch[0][:2].reshape(2, 2, 1, 4)[..., :3])  # (torch tensors, NHWC)
     logs = RecordingHook(fetches={"loss": "loss", "step": "global_step"})
     out = os.path.join(tmp_dir, "logs", "train")
     keras.utils.set_random_seed(0)
@@ -191,6 +192,7 @@ def test_keras_summaries_on_the_saving_steps(tmp_dir):
         [(s, float(v)) for s, v in tensor_series(acc, "loss")]
     assert [int(h[:, 2].sum()) for _, h in tensor_series(acc, "fc1/kernel")] == [128, 128, 128]
     assert [(i.height, i.width) for i in acc.Images("inputs/image")] == [(2, 4)] * 3
+    assert [(i.height, i.width) for i in acc.Images("rgb/image/0")] == [(2, 1)] * 3
 
 
 def test_keras_default_dir_is_where_keras_tensorboard_writes(tmp_dir, monkeypatch):

@@ -22,6 +22,9 @@ class Session:
     # `steps_per_execution`; 2 for a Lightning step that runs two optimizers. Schedules judge the step a run
     # will reach as `global_step + steps_per_run`; the adapters set it.
     steps_per_run = 1
+    # The layout of image batches in this framework ("NHWC", "NCHW"), where it has one (Keras:
+    # `image_data_format()`, channels_last by default, also on its torch backend); None: guess by array type.
+    image_format: str | None = None
 
     def __init__(self, model: Any = None, rank: int = 0, world_size: int = 1) -> None:
         self.model = model
