@@ -70,7 +70,7 @@ class CheckpointSaverHook(PeriodicHook):
     by default): prune the directory yourself in long runs.
 
     A resumed run keeps the schedule: a Lightning checkpoint carries it; elsewhere a step schedule continues
-    from the last multiple of `save_steps` (see `PeriodicHook`).
+    where an uninterrupted run was, the last multiple of `save_steps` (see `PeriodicHook`).
 
     Args:
         checkpoint_dir: the directory of the checkpoints; created if missing.

@@ -23,8 +23,12 @@ class PeriodicHook(SessionRunHook):
     Each run (`begin`) starts the count again, as TF's hooks did, unless a saved schedule was loaded for this
     run: before `begin` (Keras, by hand) or between `begin` and `after_create_session` (Lightning restores
     checkpoints there). A run that starts at a global step above 0 with no saved schedule continues a step
-    schedule from the last multiple of `save_steps`.
+    schedule from the uninterrupted run's last fire (`first_fire` + a multiple of `save_steps`).
     """
+
+    # the global step of an uninterrupted run's first fire on a steps schedule, the others following every
+    # `save_steps` (TF: ProfilerHook at N, 2N; CheckpointSaverHook at 0, N; SummarySaverHook at its first step)
+    first_fire = 0
 
     def __init__(self, save_steps: int | None, save_secs: float | None, output_dir: Any,
                  clock: Callable[[], float] | None = None, schedule_optional: bool = False):
@@ -73,11 +77,12 @@ class PeriodicHook(SessionRunHook):
         if self._restored and last is not None and last > step:
             self._ignore_saved(f"it fired last at step {last}, after the resumed run's step {step}")
             self._timer.reset()
-        if not self._restored and self.save_steps and step > 0 and self._timer.last_triggered_step() is None:
+        fresh = not self._restored and self._timer.last_triggered_step() is None
+        if fresh and self.save_steps and step > 0 and step >= self.first_fire:
             # Resumed without a saved schedule (a Keras checkpoint holds the optimizer's step, not callbacks):
-            # an uninterrupted run fires at N, 2N, ..., so continue from the last multiple of N. Seconds
+            # an uninterrupted run fires at first_fire + k*N, so continue from the last of those. Seconds
             # schedules count from the resume.
-            self._timer.update_last_triggered_step(step - step % self.save_steps)
+            self._timer.update_last_triggered_step(step - (step - self.first_fire) % self.save_steps)
         self._restored = False  # a later run starts its own count
 
     def _step_done(self) -> None:

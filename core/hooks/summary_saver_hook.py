@@ -53,6 +53,8 @@ class SummarySaverHook(PeriodicHook):
         trainer = Trainer(callbacks=[SummarySaverHook(save_steps=50, summary_op=summary.merge_all())])
     """
 
+    first_fire = 1  # the first step writes: an uninterrupted run writes at 1, 1 + N, 1 + 2N, ...
+
     def __init__(
         self,
         save_steps: int | None = None,

@@ -113,7 +113,7 @@ KERAS_RESUME = textwrap.dedent("""
     os.environ["KERAS_BACKEND"] = "torch"
     sys.path.insert(0, {repo!r})
     import keras, numpy as np
-    from keras_prof import ProfilerHook
+    from keras_prof import ProfilerHook, SummarySaverHook, summary
     out, backup, crash = sys.argv[1], sys.argv[2], sys.argv[3] == "crash"
 
     class Crash(keras.callbacks.Callback):
@@ -126,7 +126,9 @@ KERAS_RESUME = textwrap.dedent("""
     model.compile(optimizer="sgd", loss="mse")
     x, y = np.random.rand(96, 8).astype("float32"), np.random.rand(96, 1).astype("float32")
     callbacks = [keras.callbacks.BackupAndRestore(backup, save_freq=5),
-                 ProfilerHook(save_steps=4, output_dir=out, tensorboard=False), Crash()]
+                 ProfilerHook(save_steps=4, output_dir=out, tensorboard=False),
+                 SummarySaverHook(save_steps=4, output_dir=out, summary_op=summary.scalar(
+                     "loss", lambda step: step.outputs["loss"], collections=[])), Crash()]
     model.fit(x, y, batch_size=8, epochs=1, callbacks=callbacks, verbose=0)
 """)
 
@@ -145,6 +147,13 @@ def test_keras_resume_through_its_own_checkpoint_continues_the_schedule(tmp_dir)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     # Keras restored its backup of step 5; the schedule goes on at 8, 12, 16: 4 not written twice, none missing
     assert timeline_steps(out) == [4, 8, 12, 16]
+    # summaries on the uninterrupted run's schedule (the first step, then every 4th), none twice (the resumed fit
+    # runs to step 17, as the timelines' 16 shows)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(out)
+    events.Reload()
+    assert [event.step for event in events.Tensors("loss")] == [1, 5, 9, 13, 17]
 
 
 def _open_writers():
