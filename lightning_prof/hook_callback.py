@@ -37,6 +37,7 @@ from hookprof.hooks.identity import SCHEDULE_ATTRIBUTES, check_name, identity, s
 from hookprof.hooks.session import Session, StepState, check_reduce
 from hookprof.hooks.session_run_hook import SessionRunArgs, SessionRunHook
 from hookprof.tensorboard.events import as_event_sink, use_for
+from hookprof.trace.format import DATA_WAIT, VALIDATION
 from hookprof.tracing import HostTracer
 
 log = logging.getLogger(__name__)
@@ -297,8 +298,9 @@ class HookCallback(Callback):
         if self._batch_running:  # the previous batch never ended (skipped with -1): abort its step
             self._abort()
         self._batch_running = True
-        if self._open_at is not None:
-            return  # inside a gradient-accumulation window: the TF step is already open
+        if self._open_at is not None:  # inside a gradient-accumulation window: the TF step is already open
+            self._driver.micro_batch()
+            return
         step = self._open_at = self._session.batch_start_step()
         key = (id(trainer), step, batch_idx)
         self._driver.before_run(self._session, key,
@@ -328,8 +330,10 @@ class HookCallback(Callback):
         if self._open_at is None:
             return
         step = self._session.refresh_step()
-        if step != self._open_at:  # else a micro-batch whose optimizer step has not come yet
+        if step != self._open_at:
             self._close(trainer, pl_module, outputs, batch, batch_idx, step)
+        else:  # a micro-batch whose optimizer step has not come yet: the next micro-batch's data loads now
+            self._driver.mark(DATA_WAIT)
 
     def _close(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                batch_idx: int, step: int) -> None:
@@ -360,9 +364,16 @@ class HookCallback(Callback):
             self._close(trainer, pl_module, None, None, None, self._session.refresh_step())
 
     @override
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._driver is not None and self._open_at is not None:
+            self._driver.mark(VALIDATION)  # inside an accumulation window: its own span, not the step's work
+
+    @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._driver is None:
             return
+        if self._open_at is not None:
+            self._driver.mark(DATA_WAIT)
         self._driver.restart_data_clock()  # validation time is not the next step's data wait
 
     @override

@@ -192,3 +192,35 @@ def test_event_writer_threads_do_not_pile_up_across_fits(tmp_dir):
         hook = hookprof.SummarySaverHook(save_steps=1, output_dir=os.path.join(tmp_dir, str(i)), summary_op=op)
         trainer(tmp_dir, [HookCallback([hook])], 2, logger=False).fit(TinyModel(), loader())
     assert threading.active_count() <= before + 1
+
+
+def test_an_accumulated_step_has_a_phase_span_per_micro_batch_and_validation_its_own(tmp_dir):
+    """accumulate_grad_batches=4: one traced step is one optimizer step whose phases are marked per
+    micro-batch (forward, backward, after_backward, then the next batch's data wait), and a validation run
+    inside the window is a span of its own, not part of a micro-batch's."""
+
+    class Validated(TinyModel):
+        def validation_step(self, batch, batch_idx):
+            return torch.nn.functional.mse_loss(self(batch[0]), batch[1])
+
+    hook = ProfilerHook(save_steps=2, output_dir=tmp_dir, tensorboard=False)
+    fit = trainer(tmp_dir, [hook], 4, accumulate_grad_batches=4, val_check_interval=6, limit_val_batches=2)
+    fit.fit(Validated(), loader(n=256), loader(n=32))
+    traces = [load_trace(path) for path in hook.saved_paths]
+    for trace in traces:
+        phases = sorted((e for e in trace["traceEvents"] if e.get("cat") == "Span" and e.get("tid") == 0),
+                        key=lambda e: e["ts"])
+        names = [e["args"]["op"] for e in phases]
+        assert [names.count(name) for name in ("forward", "backward", "optimizer")] == [4, 4, 1], names
+        addmm = [e for e in trace["traceEvents"] if e.get("name") == "aten::addmm"]
+        forward = [e for e in addmm if e["args"]["phase"] == "forward"]
+        assert len(forward) == 4 * 2 and all(  # (before: three of four micro-batches sat in after_backward)
+            any(s["args"]["op"] == "forward" and s["ts"] <= op["ts"] <= s["ts"] + s["dur"] for s in phases)
+            for op in forward)
+    # step 2 spans batches 4-7; Lightning validates after batch 5 (val_check_interval=6 batches): inside it,
+    # a span of its own whose ops (2 batches, 2 addmm each) are validation's, not the step's forward
+    validated = [t for t in traces if any(e.get("cat") == "Span" and e["args"].get("op") == "validation"
+                                          for e in t["traceEvents"])]
+    assert [t["metadata"]["step"] for t in validated] == [2]
+    assert len([e for e in validated[0]["traceEvents"] if e.get("name") == "aten::addmm"
+                and e["args"]["phase"] == "validation"]) == 2 * 2

@@ -199,6 +199,10 @@ class HookedSession:
         """The running step entered `phase` now (the framework's event: "backward", "optimizer", ...)."""
         self._traces.mark(phase)
 
+    def micro_batch(self) -> None:
+        """Another micro-batch of the running step begins (gradient accumulation)."""
+        self._traces.micro_batch()
+
     def restart_data_clock(self) -> None:
         """Work between steps that is not data loading (validation) ended now."""
         self._traces.restart_data_clock()

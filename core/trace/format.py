@@ -62,7 +62,9 @@ NODE_CATEGORIES = (CAT_OP, CAT_MODULE, CAT_SPAN, CAT_KERNEL, CAT_RUNTIME)  # the
 
 # --- event names ------------------------------------------------------------------------------------------
 TRAIN_STEP = "train_step"  # the phase span of the whole step (written as "ProfilerStep#<step>")
-DATA_WAIT = "data_wait"  # the phase span from the previous step's end to this step's start
+DATA_WAIT = "data_wait"  # the phase span from the previous step's end to this step's start (and, under gradient
+#   accumulation, between one micro-batch's end and the next's start)
+VALIDATION = "validation"  # a validation loop Lightning runs inside a step's accumulation window
 PROFILER_STEP_PREFIX = "ProfilerStep#"  # the step span's name, as torch.profiler names it (HTA finds it)
 LAUNCH_FLOW = "launch"  # the arrow from a runtime launch to its kernel
 ALLOCATOR_COUNTER = "Allocator"  # the counter of the allocator's bytes in use

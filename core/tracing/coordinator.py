@@ -168,16 +168,25 @@ class StepTraceCoordinator:
             self._record.traced = True
 
     def mark(self, phase: str) -> None:
-        """Note that the running step entered `phase` now (first caller wins); free when nothing traces or
-        watches."""
+        """Note that the running step entered `phase` now (first caller wins, within a micro-batch); free when
+        nothing traces or watches."""
         current = self._current
         if current is not None and current.metadata is None:
-            marks = current.marks
-            if all(name != phase for name, _ in marks):
-                marks.append((phase, time.time_ns()))
+            _mark_once(current.marks, phase)
         record = self._record
-        if record is not None and all(name != phase for name, _ in record.marks):
-            record.marks.append((phase, time.time_ns()))
+        if record is not None:
+            _mark_once(record.marks, phase)
+
+    def micro_batch(self) -> None:
+        """Another micro-batch of the running step begins now (gradient accumulation: one optimizer step over
+        several batches): its forward, backward, ... are marked again, after the previous one's."""
+        now = time.time_ns()
+        current = self._current
+        if current is not None and current.metadata is None:
+            current.marks.append((MICRO_BATCH, now))
+        record = self._record
+        if record is not None:
+            record.marks.append((MICRO_BATCH, now))
 
     def finish(self, key: Hashable) -> RunMetadata | None:
         """Stop the trace of step `key` (if it still runs) and return its metadata; None if it was not traced."""
@@ -256,6 +265,19 @@ class PhasedExport:
         return self.phases.add_to(self.exported.to_stats())
 
 
+MICRO_BATCH = "forward"  # the mark a micro-batch after the step's first begins with (its forward pass)
+
+
+def _mark_once(marks: list[tuple[str, int]], phase: str) -> None:
+    """Append `phase` now unless the running micro-batch (the marks since the last MICRO_BATCH) has it."""
+    for name, _ in reversed(marks):
+        if name == phase:
+            return
+        if name == MICRO_BATCH:
+            break
+    marks.append((phase, time.time_ns()))
+
+
 def _add_phase_spans(stats: StepStats, data_wait: tuple[int, int] | None, marks: list[tuple[str, int]],
                      end_ns: int) -> None:
     """Add the step's phases as nested spans on the host device's "Step" thread."""
@@ -267,6 +289,11 @@ def _add_phase_spans(stats: StepStats, data_wait: tuple[int, int] | None, marks:
     step_start = marks[0][1]
     spans.append((fmt.TRAIN_STEP, step_start, end_ns))
     spans += _phase_spans(step_start, marks[1:] or _phases_seen(stats, step_start, end_ns), end_ns)
+    loops = [(start, stop) for name, start, stop in spans if name == fmt.VALIDATION]
+    if loops:  # a validation run inside the step (an accumulation window): its ops are no forward pass of it
+        for node in host.node_stats:
+            if node.category != fmt.CAT_SPAN and any(start <= node.start_ns < stop for start, stop in loops):
+                node.phase = fmt.VALIDATION
     for name, start, stop in spans:
         host.node_stats.append(
             NodeExecStats(
