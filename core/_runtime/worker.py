@@ -150,6 +150,12 @@ class Worker:
         except (OSError, ValueError, subprocess.TimeoutExpired):
             process.kill()
 
+    @property
+    def answered(self) -> bool:
+        """Whether the running worker has answered a call (one that has not is still starting: an interpreter
+        and its imports take a second or more on a loaded machine)."""
+        return self._process is not None and self._answered
+
     def kill(self) -> None:
         """Kill the running worker at once (it hangs: the training process judged so); a call waiting on it fails
         with `WorkerFailed`, and the next call starts a new worker. Safe from any thread."""

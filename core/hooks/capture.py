@@ -58,7 +58,8 @@ class CaptureOptions:
         render_wait_seconds: how long training waits for the worker, at most, beyond three times its slowest
             render so far: the next traced step (or the fit's end) waits for the step being rendered; a worker
             that takes longer is judged hung (stopped with SIGSTOP, stalled): it is killed, its step dropped
-            (counted in `dropped_outputs`, one warning) and a new worker renders the next steps.
+            (counted in `dropped_outputs`, one warning) and a new worker renders the next steps. A worker that
+            has not answered yet (starting: its interpreter and imports) is bounded by `render_timeout_seconds`.
         max_pending_writes: traced steps rendered and waiting for the disk, at most (each is held in memory
             until written): past that a step due to be traced is not, and is counted (`skipped_traces`, and the
             next file's metadata `skipped_traces`).
@@ -438,7 +439,8 @@ class CapturePipeline:
         if rendering is None:
             return
         patience = self.options.render_wait_seconds + 3 * self._slowest_render
-        if rendering.wait(patience):
+        if rendering.wait(patience) or not worker.WORKER.answered:
+            rendering.wait()  # (a worker that has not answered yet is starting: its timeout bounds it)
             return
         self._warn_once("hung", "The render worker has not rendered a traced step in %.1f s (its slowest render "
                         "took %.1f s): it is killed and a new one renders the next steps (CaptureOptions("
