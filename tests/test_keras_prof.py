@@ -202,3 +202,24 @@ def test_evaluate_and_predict_say_once_that_they_run_no_hooks_and_a_fits_validat
             m.predict(x, batch_size=8, callbacks=[hook], verbose=0)
     said = [r.getMessage() for r in caplog.records if "runs none of them" in r.getMessage()]
     assert len(said) == 2 and "Model.evaluate" in said[0] and "Model.predict" in said[1]
+
+
+def test_a_second_model_into_the_same_directory_keeps_the_first_ones_timelines(tmp_dir, monkeypatch, caplog):
+    """Two models fit one after the other in one process, both into Keras' default logs/train: the second's
+    timelines go beside the first's (`timeline-4.1.json`), with one warning; none is overwritten."""
+    monkeypatch.chdir(tmp_dir)
+    first, second = ProfilerHook(save_steps=4, tensorboard=False), ProfilerHook(save_steps=4, tensorboard=False)
+    fit(model(), [first], epochs=1)
+    other = keras.Sequential([keras.Input((8,)), keras.layers.Dense(3, name="other")], name="other")
+    other.compile(optimizer="sgd", loss="mse")
+    with caplog.at_level(logging.WARNING):
+        fit(other, [second], epochs=1)
+    out = os.path.join(tmp_dir, "logs", "train")
+    assert [os.path.basename(p) for p in first.saved_paths] == ["timeline-4.json"]
+    assert [os.path.basename(p) for p in second.saved_paths] == ["timeline-4.1.json"]
+    def models(name):
+        return {e["args"].get("scope", "").split("/")[0] for e in op_events(load_trace(os.path.join(out, name)))}
+
+    assert "tiny" in models("timeline-4.json") and "other" in models("timeline-4.1.json")
+    (warning,) = [r.getMessage() for r in caplog.records if "exists" in r.getMessage()]
+    assert "timeline-4.json" in warning and "timeline-4.1.json" in warning

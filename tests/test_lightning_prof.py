@@ -191,17 +191,18 @@ def test_a_users_own_torch_profiler_keeps_its_trace_and_we_skip_with_one_warning
     assert len(warnings) == 1
 
 
-def test_a_timeline_that_cannot_be_written_is_dropped_once_and_training_goes_on(tmp_dir, caplog):
+def test_a_timeline_name_taken_by_something_else_goes_beside_it_and_training_goes_on(tmp_dir, caplog):
     os.mkdir(os.path.join(tmp_dir, "timeline-2.json"))  # a directory squats on the first timeline's name
     hook = ProfilerHook(save_steps=2, output_dir=tmp_dir)
     t = trainer(tmp_dir, [hook], 6)
     t.fit(TinyModel(), loader())
-    assert t.global_step == 6
-    assert hook.hook.dropped_outputs == 1
-    assert [os.path.basename(p) for p in hook.saved_paths] == ["timeline-4.json", "timeline-6.json"]
+    assert t.global_step == 6 and hook.hook.dropped_outputs == 0
+    assert [os.path.basename(p) for p in hook.saved_paths] == ["timeline-2.1.json", "timeline-4.json",
+                                                               "timeline-6.json"]
+    assert os.path.isdir(os.path.join(tmp_dir, "timeline-2.json"))  # (left alone)
     assert not [n for n in os.listdir(tmp_dir) if n.endswith(".tmp")]
-    dropped = [r for r in caplog.records if "Could not write timeline" in r.getMessage()]
-    assert len(dropped) == 1 and "timeline-2.json" in dropped[0].getMessage()
+    (said,) = [r.getMessage() for r in caplog.records if "exists" in r.getMessage()]
+    assert "timeline-2.json" in said and "timeline-2.1.json" in said
 
 
 def test_compressed_timelines_and_the_cap_warning_once(tmp_dir, caplog):

@@ -155,6 +155,16 @@ def profile_run_path(logdir: str, step: int, host: str) -> str:
     return path
 
 
+def _free_name(path: str) -> str:
+    """`timeline-8.json` -> the first of `timeline-8.1.json`, `timeline-8.2.json`, ... that does not exist."""
+    directory, name = os.path.split(path)
+    stem, dot, extension = name.partition(".")
+    again = 1
+    while os.path.lexists(candidate := os.path.join(directory, f"{stem}.{again}{dot}{extension}")):
+        again += 1
+    return candidate
+
+
 NO_TENSORBOARD = "no tensorboard"
 NO_PROTOBUF = "no protobuf"
 
@@ -325,6 +335,7 @@ class CapturePipeline:
         self._pending: BackgroundJob | None = None  # the background job of the last traced step
         self._rendering: BackgroundJob | None = None  # the last job waiting for the render worker (RENDERS)
         self._slowest_render = 0.0  # seconds, of the worker's renders that came back
+        self._run_paths: set[str] = set()  # the timelines this run wrote (another fit's are never overwritten)
         self._writes: collections.deque[BackgroundJob] = collections.deque()  # on the disk's worker, in order
         self.skipped_traces = 0  # steps due to be traced while max_pending_writes files waited for the disk
         self.skipped_since_file = 0  # of those, the ones no file's metadata has reported yet
@@ -343,6 +354,7 @@ class CapturePipeline:
     def begin(self) -> None:
         """A new run (the last one's files are flushed first by the hook)."""
         self.retention.reset()
+        self._run_paths.clear()
         self.profile_retention.reset()
 
     def room_to_write(self) -> bool:
@@ -535,6 +547,12 @@ class CapturePipeline:
         self.profile_retention.retain(path)
 
     def _write_file(self, path: str, data: Any, result: Any) -> None:
+        if path not in self._run_paths and os.path.lexists(path):
+            # another fit's (a second model into the same directory, an earlier run of the script): kept
+            taken, path = path, _free_name(path)
+            self._warn_once("exists", "Timeline %s exists (another fit wrote it): this fit's go beside it, as %s "
+                            "and the like. Give each fit its own output_dir to keep the plain names.", taken, path)
+        self._run_paths.add(path)
         log.info("Saving timeline into '%s'.", path)
         try:
             with atomic_write(path) as out:
@@ -547,8 +565,6 @@ class CapturePipeline:
         if result.truncated:
             self._warn_once("truncated", "Timeline %s was cut at max_events=%d events; raise max_events to keep "
                             "whole steps.", path, self.writer.max_events)
-        if path in self._saved_paths:  # written again (a second fit from step 0 into the same directory)
-            self._saved_paths.remove(path)
         self._saved_paths.append(path)
         for old in self.retention.retain(path):  # (keep_last, after `path` is whole)
             if old in self._saved_paths:
