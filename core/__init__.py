@@ -39,6 +39,8 @@ from hookprof.hooks import (
     SummarySaverHook,
     TraceLevel,
     latest_checkpoint,
+    list_variables,
+    load_variable,
     step_feeds,
 )
 from hookprof.profiler import ProfileOptionBuilder, Profiler
@@ -49,7 +51,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CaptureOptions", "CheckpointSaverHook", "CheckpointSaverListener", "ChromeTraceWriter", "DeviceStepStats",
-    "FeedFnHook", "FinalOpsHook", "GlobalStepWaiterHook", "HookedSession", "latest_checkpoint", "LoggingTensorHook",
+    "FeedFnHook", "FinalOpsHook", "GlobalStepWaiterHook", "HookedSession", "latest_checkpoint", "list_variables",
+    "load_variable", "LoggingTensorHook",
     "ManualSession", "NanLossDuringTrainingError", "NanTensorHook", "NeverTriggerTimer", "NodeExecStats",
     "ProfileOptionBuilder", "Profiler", "ProfilerHook", "RunMetadata", "RunOptions", "SecondOrStepTimer", "Session",
     "SessionRunArgs", "SessionRunContext", "SessionRunHook", "SessionRunValues", "step_feeds", "StepCounterHook",

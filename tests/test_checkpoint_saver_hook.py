@@ -16,7 +16,13 @@ import torch
 import hookprof
 from hookprof import HookedSession, ManualSession, SessionRunArgs, StepState
 from hookprof._runtime import atomic_file
-from hookprof.hooks.checkpoint_saver_hook import CheckpointSaverHook, CheckpointSaverListener, latest_checkpoint
+from hookprof.hooks.checkpoint_saver_hook import (
+    CheckpointSaverHook,
+    CheckpointSaverListener,
+    latest_checkpoint,
+    list_variables,
+    load_variable,
+)
 from tests.conftest import FakeClock, RecordingHook
 from tests.lightning_models import TinyModel, loader, trainer
 
@@ -70,9 +76,9 @@ class MockListener(CheckpointSaverListener):
 class Loop:
     """TF's `monitored_session._HookedSession(sess, [hook])` over a ManualSession whose train op adds 1."""
 
-    def __init__(self, hook, create_session=False):
+    def __init__(self, hook, create_session=False, model=None):
         self.hook = hook
-        self.session = ManualSession()
+        self.session = ManualSession(model=model)
         self.driver = HookedSession([hook], tracer_factory=None)
         self.driver.begin()
         if create_session:  # TF's MonitoredSession calls it; its unit tests on _HookedSession do not
@@ -118,10 +124,92 @@ def test_other_bad_arguments_are_named(tmp_dir):
         CheckpointSaverHook(None, save_steps=1)
 
 
-def test_without_any_saver_the_core_hook_says_what_to_pass(tmp_dir):
-    loop = Loop(CheckpointSaverHook(tmp_dir, save_steps=1))
-    with pytest.raises(RuntimeError, match="has no saver: pass `saver="):
-        loop.run()
+# TF's tests on the default Saver, read back as TF read them (`checkpoint_utils.load_variable(model_dir,
+# global_step.name)`): driven by hand, the core hook saves with `session_saver`.
+
+def _saved_step(directory):
+    return int(load_variable(directory, "global_step"))
+
+
+@pytest.mark.parametrize("schedule", [{"save_secs": 2}, {"save_steps": 2}])
+def test_default_saver_saves_in_first_step(tmp_dir, schedule):
+    loop = Loop(CheckpointSaverHook(tmp_dir, **schedule))
+    loop.run()
+    assert _saved_step(tmp_dir) == 1
+
+
+def test_default_saver_save_steps_saves_periodically(tmp_dir):
+    loop = Loop(CheckpointSaverHook(tmp_dir, save_steps=2))
+    loop.run()
+    assert _saved_step(tmp_dir) == 1
+    loop.run()  # step 2: not saved
+    assert _saved_step(tmp_dir) == 1
+    loop.run()
+    assert _saved_step(tmp_dir) == 3
+    loop.run()
+    assert _saved_step(tmp_dir) == 3
+    loop.run()
+    assert _saved_step(tmp_dir) == 5
+
+
+def test_default_saver_save_secs_saves_periodically(tmp_dir):
+    clock = FakeClock()
+    loop = Loop(CheckpointSaverHook(tmp_dir, save_secs=2, clock=clock))
+    loop.run()
+    assert _saved_step(tmp_dir) == 1
+    clock.now += 1.0
+    loop.run()  # 1 s later: not saved
+    assert _saved_step(tmp_dir) == 1
+    clock.now += 1.5
+    loop.run()
+    assert _saved_step(tmp_dir) == 3
+    clock.now += 0.5
+    loop.run()
+    assert _saved_step(tmp_dir) == 3
+
+
+def test_default_saver_saves_at_end(tmp_dir):
+    loop = Loop(CheckpointSaverHook(tmp_dir, save_secs=2))
+    loop.run()
+    loop.run()
+    loop.end()
+    assert _saved_step(tmp_dir) == 2
+    assert [os.path.basename(p) for p in loop.hook.saved_paths] == ["model.ckpt-1.npz", "model.ckpt-2.npz"]
+
+
+def test_default_saver_holds_the_models_state_and_listeners_see_every_save(tmp_dir):
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.ReLU(), torch.nn.Linear(2, 1))
+    listener = MockListener()
+    hook = CheckpointSaverHook(tmp_dir, save_steps=2, listeners=[listener])
+    loop = Loop(hook, create_session=True, model=model)
+    before = model[0].weight.detach().numpy().copy()
+    loop.run()
+    with torch.no_grad():
+        model[0].weight.add_(1.0)
+    loop.run()
+    loop.run()
+    assert listener.counts == {"begin": 1, "before_save": 2, "after_save": 2, "end": 0}  # at 0 and 2
+    latest = latest_checkpoint(tmp_dir)
+    assert os.path.basename(latest) == "model.ckpt-2.npz"
+    assert list_variables(latest) == [("global_step", []), ("model/0.bias", [2]), ("model/0.weight", [2, 3]),
+                                      ("model/2.bias", [1]), ("model/2.weight", [1, 2])]
+    np.testing.assert_array_equal(load_variable(tmp_dir, "model/0.weight"), model[0].weight.detach().numpy())
+    np.testing.assert_array_equal(load_variable(os.path.join(tmp_dir, "model.ckpt-0.npz"), "model/0.weight"),
+                                  before)  # (step 0's weights, before the change)
+    with pytest.raises(KeyError, match="'model/9.weight' is not in .*it holds"):
+        load_variable(tmp_dir, "model/9.weight")
+    empty = os.path.join(tmp_dir, "empty")
+    os.mkdir(empty)
+    with pytest.raises(ValueError, match="No checkpoint in"):
+        load_variable(empty, "global_step")
+
+
+def test_default_saver_listener_stops_training_in_after_save(tmp_dir):
+    listener = MockListener()
+    listener.ask_for_stop = True
+    loop = Loop(CheckpointSaverHook(tmp_dir, save_steps=1, listeners=[listener]))
+    assert loop.run() is True  # TF: a listener's after_save returning True requests a stop
+    assert _saved_step(tmp_dir) == 1
 
 
 def test_a_scaffolds_saver_is_used(tmp_dir):

@@ -2,7 +2,13 @@
 shared `SecondOrStepTimer`, and the hooks themselves (with `CaptureOptions`, ProfilerHook's `capture=`)."""
 
 from hookprof.hooks.capture import CaptureOptions
-from hookprof.hooks.checkpoint_saver_hook import CheckpointSaverHook, CheckpointSaverListener, latest_checkpoint
+from hookprof.hooks.checkpoint_saver_hook import (
+    CheckpointSaverHook,
+    CheckpointSaverListener,
+    latest_checkpoint,
+    list_variables,
+    load_variable,
+)
 from hookprof.hooks.feed_fn_hook import FeedFnHook
 from hookprof.hooks.final_ops_hook import FinalOpsHook
 from hookprof.hooks.global_step_waiter_hook import GlobalStepWaiterHook
@@ -20,7 +26,8 @@ from hookprof.run_options import RunMetadata, RunOptions, TraceLevel
 
 __all__ = [
     "CaptureOptions", "CheckpointSaverHook", "CheckpointSaverListener", "FeedFnHook", "FinalOpsHook",
-    "GlobalStepWaiterHook", "HookedSession", "latest_checkpoint", "LoggingTensorHook", "ManualSession",
+    "GlobalStepWaiterHook", "HookedSession", "latest_checkpoint", "list_variables", "load_variable",
+    "LoggingTensorHook", "ManualSession",
     "NanLossDuringTrainingError", "NanTensorHook", "NeverTriggerTimer", "ProfilerHook", "RunMetadata", "RunOptions",
     "SecondOrStepTimer", "Session", "SessionRunArgs", "SessionRunContext", "SessionRunHook", "SessionRunValues",
     "step_feeds", "StepCounterHook", "StepState", "StopAtStepHook", "SummarySaverHook", "TraceLevel",

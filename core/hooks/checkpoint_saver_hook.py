@@ -2,7 +2,9 @@
 
 The hook is framework-neutral: what a checkpoint holds and how it is written is the saver's business. The
 adapters (`lightning_prof.callbacks`, `keras_prof.callbacks`) give it the framework's own checkpointing as its
-default saver; here a saver is passed in (`saver=`) or set by whoever drives the hook (`set_default_saver`).
+default saver; here a saver is passed in (`saver=`) or set by whoever drives the hook (`set_default_saver`),
+else the core's own (`session_saver`: the global step and the model's state as plain arrays, which
+`load_variable` / `list_variables` read back, as TF's default Saver and `tf.train.load_variable`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import shutil
 import tempfile
 from collections.abc import Callable, Sequence
 from typing import Any
+
+import numpy as np
 
 from hookprof._runtime import arguments
 from hookprof._runtime.atomic_file import atomic_write, remove_stale_temps
@@ -79,7 +83,9 @@ class CheckpointSaverHook(PeriodicHook):
         saver: how a checkpoint is written: an object with TF's `save(session, save_path, global_step=step)`
             that returns the path it wrote (it names the file itself), or a callable `save(path)` given
             `<checkpoint_dir>/<basename>-<step>` that returns the file it wrote (or None: nothing written by
-            this process). Default: the adapter's (the framework's own checkpoint).
+            this process). Default: the adapter's (the framework's own checkpoint); driven by hand,
+            `session_saver` (the global step and the model's state as a `.npz` of plain arrays, read back with
+            `load_variable`, as TF's default Saver and `tf.train.load_variable`).
         checkpoint_basename: the file name's prefix.
         scaffold: an object whose `saver` attribute is used as `saver` (TF's Scaffold). Not with `saver`.
         listeners: `CheckpointSaverListener`s called around every save.
@@ -174,11 +180,7 @@ class CheckpointSaverHook(PeriodicHook):
             if callable(getattr(saver, "save", None)):  # TF's Saver: it names the file from the global step
                 return lambda sess, step: saver.save(sess, save_path, global_step=step)
             return lambda sess, step: saver(f"{save_path}-{step}")
-        if self._default_saver is None:
-            raise RuntimeError("CheckpointSaverHook has no saver: pass `saver=` (or a `scaffold` with one), or use "
-                               "lightning_prof's or keras_prof's CheckpointSaverHook, which save with the "
-                               "framework's own checkpoints.")
-        save = self._default_saver(session)
+        save = (self._default_saver or session_saver)(session)
         save_path = self.save_path
         return lambda sess, step: save(f"{save_path}-{step}")
 
@@ -371,6 +373,86 @@ def _read_state(directory: str) -> list[str]:
     return [p for p in every if p != latest] + ([latest] if latest else [])
 
 
+# --- the core's own checkpoint: what the session holds, as plain arrays ----------------------------------------
+
+CHECKPOINT_EXTENSION = ".npz"
+GLOBAL_STEP = "global_step"
+
+
+def session_saver(session: Any) -> SaveFunction:
+    """The saver used where no framework's is (a `HookedSession` driven by hand, TF's default `Saver`): each
+    save writes `<path>.npz`, a numpy archive of plain arrays (no pickle): `global_step`, and the model's state
+    where the session has a model with a `state_dict()` (torch: each tensor under `model/<name>`) or
+    `get_weights()` (Keras: `model/<i>`). Read values back with `load_variable`."""
+
+    def save(path: str) -> str:
+        target = path + CHECKPOINT_EXTENSION
+        arrays = {GLOBAL_STEP: np.asarray(_global_step(session), dtype=np.int64)}
+        arrays.update(_model_arrays(getattr(session, "model", None)))
+        with atomic_write(target) as f:
+            np.savez(f, **arrays)
+        return target
+
+    return save
+
+
+def _model_arrays(model: Any) -> dict[str, np.ndarray]:
+    state = getattr(model, "state_dict", None)
+    if callable(state):
+        values = state()
+        return {f"model/{name}": _host_array(value) for name, value in values.items()}
+    weights = getattr(model, "get_weights", None)
+    if callable(weights):
+        return {f"model/{i}": np.asarray(value) for i, value in enumerate(weights())}
+    return {}
+
+
+def _host_array(value: Any) -> np.ndarray:
+    detach = getattr(value, "detach", None)
+    if callable(detach):  # a torch tensor (on any device)
+        value = detach().cpu().numpy()
+    return np.asarray(value)
+
+
+def _checkpoint_file(ckpt_dir_or_file: str | os.PathLike) -> str:
+    path = os.fspath(ckpt_dir_or_file)
+    if os.path.isdir(path):
+        latest = latest_checkpoint(path)
+        if latest is None:
+            raise ValueError(f"No checkpoint in {path!r}: its `checkpoint` state file lists none.")
+        path = latest
+    if not os.path.exists(path) and os.path.exists(path + CHECKPOINT_EXTENSION):
+        path += CHECKPOINT_EXTENSION
+    return path
+
+
+def load_variable(ckpt_dir_or_file: str | os.PathLike, name: str) -> np.ndarray:
+    """The value saved under `name` (`"global_step"`, `"model/fc1.weight"`) in a checkpoint the core's default
+    saver wrote: the newest in a directory, or the file given (TF's `tf.train.load_variable`).
+
+    Raises ValueError for a directory with no checkpoint or a file that is not such an archive, KeyError
+    (naming the names it has) for a name it does not hold."""
+    path = _checkpoint_file(ckpt_dir_or_file)
+    try:
+        with np.load(path, allow_pickle=False) as archive:
+            if name not in archive.files:
+                raise KeyError(f"{name!r} is not in {path}; it holds {sorted(archive.files)}.")
+            return archive[name]
+    except (OSError, ValueError) as err:
+        raise ValueError(f"{path} is not a checkpoint hookprof's default saver wrote ({err}).") from None
+
+
+def list_variables(ckpt_dir_or_file: str | os.PathLike) -> list[tuple[str, list[int]]]:
+    """(name, shape) of every value in a checkpoint the core's default saver wrote (TF's
+    `tf.train.list_variables`). Raises as `load_variable`."""
+    path = _checkpoint_file(ckpt_dir_or_file)
+    try:
+        with np.load(path, allow_pickle=False) as archive:
+            return [(name, list(archive[name].shape)) for name in sorted(archive.files)]
+    except (OSError, ValueError) as err:
+        raise ValueError(f"{path} is not a checkpoint hookprof's default saver wrote ({err}).") from None
+
+
 def latest_checkpoint(checkpoint_dir: str | os.PathLike) -> str | None:
     """The newest checkpoint file a `CheckpointSaverHook` recorded in `checkpoint_dir` (TF's
     `tf.train.latest_checkpoint`), or None when there is none."""
@@ -378,4 +460,5 @@ def latest_checkpoint(checkpoint_dir: str | os.PathLike) -> str | None:
     return paths[-1] if paths else None
 
 
-__all__ = ["CheckpointSaverHook", "CheckpointSaverListener", "latest_checkpoint"]
+__all__ = ["CheckpointSaverHook", "CheckpointSaverListener", "latest_checkpoint", "list_variables", "load_variable",
+           "session_saver"]
