@@ -324,6 +324,14 @@ def test_profile(work):
     assert step.returncode == 0 and step.stderr == "" and "aten::addmm" in step.stdout
 
 
+def test_pprof_output_is_for_the_code_view_only_as_tfs(work):
+    """TF writes pprof for the code view only; other views are an error that says which view to use."""
+    for view in ("op", "scope", "graph"):
+        done = hookprof("profile", "--view", view, "--output", "pprof:outfile=out.pb.gz", *GOOD, cwd=work)
+        assert_fails_with(done, re.compile(r"hookprof profile: .*is for the code view only.*--view code.*"))
+    assert not (work / "out.pb.gz").exists()
+
+
 def test_advise(work, monkeypatch):
     from hookprof.cli import load_profiler
     from hookprof.profiler.advisor import ALL_ADVICE, advise, report_text

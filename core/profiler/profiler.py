@@ -147,7 +147,8 @@ class Profiler:
             self._write_timeline(path, opts["step"], shown)
         elif kind == "pprof":
             if view != "python":
-                raise ValueError("output 'pprof:outfile=...' is for the code view: use it with profile_python().")
+                raise ValueError("output 'pprof:outfile=...' is for the code view only (as TF's): use it with "
+                                 "profile_python(), or `hookprof profile --view code`.")
             from hookprof.profiler.pprof import write_pprof
 
             write_pprof(os.path.abspath(path), self._data, opts["step"])
