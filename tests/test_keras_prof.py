@@ -202,3 +202,21 @@ def test_evaluate_and_predict_say_once_that_they_run_no_hooks_and_a_fits_validat
             m.predict(x, batch_size=8, callbacks=[hook], verbose=0)
     said = [r.getMessage() for r in caplog.records if "runs none of them" in r.getMessage()]
     assert len(said) == 2 and "Model.evaluate" in said[0] and "Model.predict" in said[1]
+
+
+# The ini's ignore of Keras' own numpy-copy DeprecationWarning is lifted here: the same fit without hookprof's
+# callbacks and with every keras_prof hook that reads values (the global step, the loss, a kernel variable).
+@pytest.mark.filterwarnings("error::DeprecationWarning", "error::ResourceWarning")
+def test_a_fit_with_every_keras_prof_hook_adds_no_deprecation_or_resource_warning(tmp_dir):
+    import keras_prof
+    from hookprof import summary
+    from hookprof.triggers import NonFinite
+
+    fit(model(), [])  # Keras alone: no warning to begin with
+    op = summary.merge([summary.scalar("loss", lambda step: step.outputs["loss"]),
+                        summary.histogram("fc1/kernel", lambda step: step.model.get_layer("fc1").kernel)])
+    profiler = ProfilerHook(save_steps=3, output_dir=tmp_dir, triggers=[NonFinite("loss")])
+    summaries = keras_prof.SummarySaverHook(save_steps=2, output_dir=tmp_dir, summary_op=op)
+    fit(model(), [profiler, summaries, keras_prof.StepCounterHook(every_n_steps=2, output_dir=tmp_dir),
+                  keras_prof.LoggingTensorHook({"loss": "loss"}, every_n_iter=2), keras_prof.NanTensorHook("loss")])
+    assert timeline_steps(tmp_dir) == [3, 6, 9, 12] and summaries.hook.summary_errors == 0
