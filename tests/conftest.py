@@ -126,6 +126,12 @@ class NoFastPath:
         return getattr(self.hook, name)
 
 
+# The Lightning and Keras fits' tests (`pytestmark = NO_UNCLOSED_RESOURCES`): a file, pipe or process that hookprof
+# leaves unclosed is an error there (a ResourceWarning raised in a finalizer reaches pytest as unraisable).
+NO_UNCLOSED_RESOURCES = [pytest.mark.filterwarnings("error::ResourceWarning"),
+                         pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")]
+
+
 # CI installs what the real-client tests drive (`.ci/run`: Chromium, Go, libfuse 2) and sets this: there a skipped
 # real-client test is a failure, so a missing tool cannot pass unseen. CUDA tests still skip without a GPU.
 REQUIRE_REAL_CLIENTS = os.environ.get("HOOKPROF_REQUIRE_REAL_CLIENTS") == "1"

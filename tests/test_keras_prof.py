@@ -11,9 +11,11 @@ import torch
 import hookprof
 from hookprof import RunOptions, TraceLevel
 from keras_prof import HookCallback, ProfilerHook
-from tests.conftest import FakeClock, RecordingHook, load_trace, op_events, timeline_steps
+from tests.conftest import NO_UNCLOSED_RESOURCES, FakeClock, RecordingHook, load_trace, op_events, timeline_steps
 
 assert keras.backend.backend() == "torch"
+
+pytestmark = NO_UNCLOSED_RESOURCES
 
 
 class FailingSequential(keras.Sequential):

@@ -26,7 +26,10 @@ from hookprof.trace import format as fmt
 from hookprof.tracing.kineto_trace import KinetoExport, flops
 from lightning_prof import HookCallback, ProfilerHook
 from tests import worker_probe
+from tests.conftest import NO_UNCLOSED_RESOURCES
 from tests.lightning_models import TinyModel, loader, trainer
+
+pytestmark = NO_UNCLOSED_RESOURCES  # (the worker's pipes, closed whenever it ends)
 
 # The reference these tests compare with: torch's own per-event accessors, which hookprof does not read (torch
 # 2.11 has none of `activity_type` / `external_id` and still traces in full)
