@@ -248,8 +248,8 @@ Profiler().profile_python({"max_depth": 3}).total["micros"].upper()  # error: at
 
 
 def test_a_type_checker_reads_the_installed_api(installed, user_run):
-    """mypy on a user's scripts, against the wheel installed in the fresh venv: the right calls are clean and
-    precisely typed, every misuse is flagged (without `py.typed`, every hookprof name would be `Any`)."""
+    """mypy --strict on a user's scripts, against the wheel installed in the fresh venv: the right calls are clean
+    and precisely typed, every misuse is flagged (without `py.typed`, every hookprof name would be `Any`)."""
     pytest.importorskip("mypy", reason="mypy is in the test extra (pip install -e '.[test]')")
     folder = installed["root"] / "typed"
     folder.mkdir()
@@ -257,7 +257,7 @@ def test_a_type_checker_reads_the_installed_api(installed, user_run):
     (folder / "bad.py").write_text(TYPED_BAD)
     done = subprocess.run(
         [sys.executable, "-m", "mypy", "--python-executable", installed["python"], "--cache-dir", folder / "cache",
-         "--no-error-summary", "--show-error-codes", "--hide-error-context", "good.py", "bad.py"],
+         "--strict", "--no-error-summary", "--show-error-codes", "--hide-error-context", "good.py", "bad.py"],
         capture_output=True, text=True, cwd=folder, env=user_run["env"], timeout=600)
     found = sorted({(f, int(line), code) for f, line, code in re.findall(
         r"^(\w+\.py):(\d+): error: .*\[([\w-]+)\]$", done.stdout, re.MULTILINE)})
