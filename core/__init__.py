@@ -47,7 +47,7 @@ from hookprof.profiler import ProfileOptionBuilder, Profiler
 from hookprof.step_stats import DeviceStepStats, NodeExecStats, StepStats, TensorDescription
 from hookprof.trace import ChromeTraceWriter
 
-__version__ = "0.1.0"
+__version__ = "0.1.0"  # said once: pyproject.toml reads it from here (`dynamic`)
 
 __all__ = [
     "CaptureOptions", "CheckpointSaverHook", "CheckpointSaverListener", "ChromeTraceWriter", "DeviceStepStats",

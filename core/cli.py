@@ -8,6 +8,7 @@ import os
 import re
 import sys
 
+from hookprof._runtime.distribution import MissingExtraError, installed_version
 from hookprof.trace.merge import merge_timelines
 from hookprof.trace.reader import TimelineError
 from hookprof.trace.summary import summarize
@@ -15,6 +16,7 @@ from hookprof.trace.summary import summarize
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hookprof", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {installed_version()}")
     commands = parser.add_subparsers(dest="command", required=True)
 
     merge = commands.add_parser("merge", help="merge per-rank timelines into one trace (a process group per rank)")
@@ -55,6 +57,9 @@ def _run(args: argparse.Namespace) -> int:
         return _COMMANDS[args.command](args)
     except CommandError as err:
         _complain(args.command, err)
+        return 2
+    except MissingExtraError as err:  # an option whose package is not installed: the message names the extra
+        _complain(args.command, CommandError(str(err)))
         return 2
     except BrokenPipeError:  # `hookprof profile ... | head`: the reader left, which is no error of ours
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -29,6 +29,7 @@ from hookprof._runtime.warn_once import WarnOnce
 from hookprof.hooks.hooked_session import HookedSession, check_hooks
 from hookprof.hooks.session import Session, StepState
 from hookprof.hooks.session_run_hook import SessionRunArgs, SessionRunHook
+from hookprof.summary import to_numpy
 from hookprof.tracing import HostTracer, TracerFactory
 
 log = logging.getLogger(__name__)
@@ -53,7 +54,7 @@ class KerasSession(Session):
         super().__init__(model=model)
         optimizer = getattr(model, "optimizer", None)
         iterations = getattr(optimizer, "iterations", None)
-        self._first_step = 0 if iterations is None else int(keras.ops.convert_to_numpy(iterations))
+        self._first_step = 0 if iterations is None else int(to_numpy(iterations))
         self.steps_done = 0
         # Keras (JAX, TensorFlow) runs `steps_per_execution` batches per train-function call, with one batch
         # callback for them: the global step (the optimizer's) then advances by that much per hookprof step

@@ -1,6 +1,7 @@
 # Written by `python -m hookprof.hooks.adapter lightning_prof.callbacks` from hookprof's hook signatures: do not edit.
 # (tests/test_adapters.py fails when it is stale.)
 
+import collections
 import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final
@@ -17,6 +18,7 @@ import hookprof.hooks.stop_at_step_hook
 import hookprof.hooks.summary_saver_hook
 from hookprof.hooks.capture import CaptureOptions
 from hookprof.hooks.checkpoint_saver_hook import CheckpointSaverListener
+from hookprof.profiler.profiler import Profiler
 from hookprof.summary import Scaffold
 from hookprof.triggers import Trigger
 from lightning_prof.hook_callback import HookCallback
@@ -50,8 +52,8 @@ class NanTensorHook(HookCallback):
 
 class ProfilerHook(HookCallback):
     hook: hookprof.hooks.profiler_hook.ProfilerHook
-    def __init__(self, save_steps: int | None = ..., save_secs: float | None = ..., output_dir: str | os.PathLike | None = ..., show_dataflow: bool = ..., show_memory: bool = ..., ranks: int | Sequence[int] | None = ..., compress: bool = ..., max_events: int | None = ..., tensorboard: bool = ..., profiler: Any = ..., with_stack: bool = ..., triggers: Sequence[Trigger] | None = ..., capture_steps: int = ..., cooldown_steps: int = ..., keep_last: int | None = ..., capture: CaptureOptions | None = ..., *, name: str | None = ...) -> None: ...
-    fired: Final[Any]; removed_timelines: Final[int]; saved_paths: Final[list[str]]; skipped_traces: Final[int]
+    def __init__(self, save_steps: int | None = ..., save_secs: float | None = ..., output_dir: str | os.PathLike | None = ..., show_dataflow: bool = ..., show_memory: bool = ..., ranks: int | Sequence[int] | None = ..., compress: bool = ..., max_events: int | None = ..., tensorboard: bool = ..., profiler: Profiler | None = ..., with_stack: bool = ..., triggers: Sequence[Trigger] | None = ..., capture_steps: int = ..., cooldown_steps: int = ..., keep_last: int | None = ..., capture: CaptureOptions | None = ..., *, name: str | None = ...) -> None: ...
+    fired: Final[collections.Counter[str]]; removed_timelines: Final[int]; saved_paths: Final[list[str]]; skipped_traces: Final[int]
 
 class StepCounterHook(HookCallback):
     hook: hookprof.hooks.step_counter_hook.StepCounterHook

@@ -124,3 +124,37 @@ class NoFastPath:
         if name == "quiet_on":
             raise AttributeError(name)
         return getattr(self.hook, name)
+
+
+# The Lightning and Keras fits' tests (`pytestmark = NO_UNCLOSED_RESOURCES`): a file, pipe or process that hookprof
+# leaves unclosed is an error there (a ResourceWarning raised in a finalizer reaches pytest as unraisable).
+NO_UNCLOSED_RESOURCES = [pytest.mark.filterwarnings("error::ResourceWarning"),
+                         pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")]
+
+
+# CI installs what the real-client tests drive (`.ci/run`: Chromium, Go, libfuse 2) and sets this: there a skipped
+# real-client test is a failure, so a missing tool cannot pass unseen. CUDA tests still skip without a GPU.
+REQUIRE_REAL_CLIENTS = os.environ.get("HOOKPROF_REQUIRE_REAL_CLIENTS") == "1"
+_REQUIRED = "HOOKPROF_REQUIRE_REAL_CLIENTS=1: a real-client test must run here, not skip"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = (yield).get_result()
+    if (REQUIRE_REAL_CLIENTS and report.skipped and item.get_closest_marker("real_client")
+            and not item.get_closest_marker("cuda") and not hasattr(report, "wasxfail")):
+        report.outcome, report.longrepr = "failed", _required_failure(report)
+
+
+def _required_failure(report) -> str:
+    reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+    return f"{_REQUIRED} ({reason.removeprefix('Skipped: ')})"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    """A whole real-client module skipped at import (`pytest.importorskip` of what drives the tool) fails too."""
+    report = (yield).get_result()
+    if REQUIRE_REAL_CLIENTS and report.skipped and isinstance(collector, pytest.Module):
+        if _REAL_CLIENT.search(collector.path.read_text()):
+            report.outcome, report.longrepr = "failed", _required_failure(report)

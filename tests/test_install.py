@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -193,3 +194,110 @@ def test_console_script_summary(installed, user_run):
     assert len(lines) == 1 and lines[0].startswith(f"{timeline}: ") and " ops (" in lines[0], (
         f"--- stdout ---\n{result.stdout}\n--- stderr ---\n{result.stderr}")
     assert int(lines[0].split(": ", 1)[1].split(" ops", 1)[0]) > 0, lines[0]
+
+
+# What a user's type checker makes of the installed wheel (PEP 561: the `py.typed` markers and the callbacks'
+# stubs). GOOD calls everything right, and `assert_type` fails where the API hands back `Any` or the wrong type;
+# each line of BAD that ends in `# error: CODE` must be flagged with that code, and nothing else.
+TYPED_GOOD = """\
+from __future__ import annotations
+
+import collections
+from typing import assert_type
+
+import keras_prof
+import lightning_prof
+from hookprof import CaptureOptions, ProfileOptionBuilder, Profiler, ProfilerHook, SummarySaverHook, summary
+from hookprof.cli import main
+from hookprof.profiler.views import OpViewResult, ViewNode
+from hookprof.triggers import LossSpike, MemoryJump, NonFinite, SlowStep
+
+profiler = Profiler()
+hook = ProfilerHook(save_steps=10, output_dir="runs", profiler=profiler, keep_last=2,
+                    capture=CaptureOptions(render_worker=False, max_pending_writes=4),
+                    triggers=[SlowStep(factor=3.0), NonFinite("loss"), LossSpike(), MemoryJump(2**20)])
+assert_type(hook.saved_paths, list[str])
+assert_type(hook.fired, collections.Counter[str])
+callback = lightning_prof.ProfilerHook(save_secs=60.0, ranks=[0], capture_steps=2, name="slow")
+assert_type(callback.hook, ProfilerHook)
+assert_type(callback.saved_paths, list[str])
+summaries = keras_prof.SummarySaverHook(save_steps=5, summary_op=summary.merge_all())
+assert_type(summaries.hook, SummarySaverHook)
+options = ProfileOptionBuilder(ProfileOptionBuilder.time_and_memory()).with_max_depth(3).build()
+assert_type(profiler.profile_operations(options), OpViewResult)
+assert_type(profiler.profile_python(options), ViewNode)
+assert_type(main(["summary", "runs/timeline-10.json"]), int)
+"""
+
+TYPED_BAD = """\
+import keras_prof
+import lightning_prof
+from hookprof import CaptureOptions, Profiler, ProfilerHook
+from hookprof.triggers import SlowStep
+
+ProfilerHook(save_steps="x")  # error: arg-type
+lightning_prof.ProfilerHook(save_steps="x")  # error: arg-type
+keras_prof.ProfilerHook(save_steps=10, profiler="prof")  # error: arg-type
+ProfilerHook(save_steps=10, capture={"render_worker": False})  # error: arg-type
+ProfilerHook(save_steps=10, triggers=[SlowStep, "loss"])  # error: list-item
+lightning_prof.ProfilerHook(save_step=10)  # error: call-arg
+CaptureOptions(render_worker="no")  # error: arg-type
+paths: int = ProfilerHook(save_steps=1).saved_paths  # error: assignment
+Profiler().profile_python({"max_depth": 3}).total["micros"].upper()  # error: attr-defined
+"""
+
+
+def test_a_type_checker_reads_the_installed_api(installed, user_run):
+    """mypy --strict on a user's scripts, against the wheel installed in the fresh venv: the right calls are clean
+    and precisely typed, every misuse is flagged (without `py.typed`, every hookprof name would be `Any`)."""
+    pytest.importorskip("mypy", reason="mypy is in the test extra (pip install -e '.[test]')")
+    folder = installed["root"] / "typed"
+    folder.mkdir()
+    (folder / "good.py").write_text(TYPED_GOOD)
+    (folder / "bad.py").write_text(TYPED_BAD)
+    done = subprocess.run(
+        [sys.executable, "-m", "mypy", "--python-executable", installed["python"], "--cache-dir", folder / "cache",
+         "--strict", "--no-error-summary", "--show-error-codes", "--hide-error-context", "good.py", "bad.py"],
+        capture_output=True, text=True, cwd=folder, env=user_run["env"], timeout=600)
+    found = sorted({(f, int(line), code) for f, line, code in re.findall(
+        r"^(\w+\.py):(\d+): error: .*\[([\w-]+)\]$", done.stdout, re.MULTILINE)})
+    wanted = sorted(("bad.py", n, code) for n, line in enumerate(TYPED_BAD.splitlines(), start=1)
+                    for code in re.findall(r"# error: ([\w-]+)$", line))
+    assert found == wanted, done.stdout + done.stderr
+    assert done.returncode == 1 and "good.py" not in done.stdout, done.stdout + done.stderr
+
+
+def _metadata(wheel: Path) -> tuple[str, dict[str, bytes]]:
+    """The wheel's METADATA text, and its files under `.dist-info/` by their name there."""
+    with zipfile.ZipFile(wheel) as archive:
+        info = {n.split(".dist-info/", 1)[1]: archive.read(n) for n in archive.namelist() if ".dist-info/" in n}
+    return info["METADATA"].decode(), info
+
+
+def test_the_wheel_carries_the_license_and_the_metadata_a_package_index_shows(installed):
+    metadata, info = _metadata(installed["wheel"])
+    headers, _, description = metadata.partition("\n\n")
+    fields = re.findall(r"^([\w-]+): (.*)$", headers, re.MULTILINE)
+
+    # Apache-2.0 asks for its text to travel with every copy
+    assert ("License-Expression", "Apache-2.0") in fields and ("License-File", "LICENSE") in fields, headers
+    assert info["licenses/LICENSE"] == (REPO / "LICENSE").read_bytes()
+    assert info["licenses/LICENSE"].lstrip().startswith(b"Apache License\n                           Version 2.0")
+    classifiers = {value for key, value in fields if key == "Classifier"}
+    assert {"Typing :: Typed", "Programming Language :: Python :: 3.11"} <= classifiers, classifiers
+    assert dict(fields).get("Keywords") and dict(fields).get("Author"), headers
+
+    # the long description is the README: on an index, a link or image relative to the repository leads nowhere
+    assert description.startswith("# hookprof"), description[:200]
+    targets = re.findall(r"\]\(([^)\s]+)\)|<(?:img|a)\s[^>]*(?:src|href)=\"([^\"]+)\"", description)
+    relative = [t for pair in targets for t in pair if t and not re.match(r"https?://|#", t)]
+    assert not relative, relative
+
+
+def test_version_is_the_installed_distributions(installed, user_run):
+    version = re.search(r"^Version: (\S+)$", _metadata(installed["wheel"])[0], re.MULTILINE)[1]
+    shown = _run([_bin(installed["venv"], "hookprof"), "--version"], env=user_run["env"], cwd=installed["root"])
+    assert shown.stdout == f"hookprof {version}\n", shown.stdout
+    attribute = _run([installed["python"], "-c", "import hookprof; print(hookprof.__version__)"],
+                     env=user_run["env"], cwd=installed["root"])
+    assert attribute.stdout == f"{version}\n", attribute.stdout

@@ -11,9 +11,11 @@ import torch
 import hookprof
 from hookprof import RunOptions, TraceLevel
 from keras_prof import HookCallback, ProfilerHook
-from tests.conftest import FakeClock, RecordingHook, load_trace, op_events, timeline_steps
+from tests.conftest import NO_UNCLOSED_RESOURCES, FakeClock, RecordingHook, load_trace, op_events, timeline_steps
 
 assert keras.backend.backend() == "torch"
+
+pytestmark = NO_UNCLOSED_RESOURCES
 
 
 class FailingSequential(keras.Sequential):
@@ -223,3 +225,21 @@ def test_a_second_model_into_the_same_directory_keeps_the_first_ones_timelines(t
     assert "tiny" in models("timeline-4.json") and "other" in models("timeline-4.1.json")
     (warning,) = [r.getMessage() for r in caplog.records if "exists" in r.getMessage()]
     assert "timeline-4.json" in warning and "timeline-4.1.json" in warning
+
+
+# The ini's ignore of Keras' own numpy-copy DeprecationWarning is lifted here: the same fit without hookprof's
+# callbacks and with every keras_prof hook that reads values (the global step, the loss, a kernel variable).
+@pytest.mark.filterwarnings("error::DeprecationWarning", "error::ResourceWarning")
+def test_a_fit_with_every_keras_prof_hook_adds_no_deprecation_or_resource_warning(tmp_dir):
+    import keras_prof
+    from hookprof import summary
+    from hookprof.triggers import NonFinite
+
+    fit(model(), [])  # Keras alone: no warning to begin with
+    op = summary.merge([summary.scalar("loss", lambda step: step.outputs["loss"]),
+                        summary.histogram("fc1/kernel", lambda step: step.model.get_layer("fc1").kernel)])
+    profiler = ProfilerHook(save_steps=3, output_dir=tmp_dir, triggers=[NonFinite("loss")])
+    summaries = keras_prof.SummarySaverHook(save_steps=2, output_dir=tmp_dir, summary_op=op)
+    fit(model(), [profiler, summaries, keras_prof.StepCounterHook(every_n_steps=2, output_dir=tmp_dir),
+                  keras_prof.LoggingTensorHook({"loss": "loss"}, every_n_iter=2), keras_prof.NanTensorHook("loss")])
+    assert timeline_steps(tmp_dir) == [3, 6, 9, 12] and summaries.hook.summary_errors == 0

@@ -8,8 +8,10 @@ import torch
 import hookprof
 from hookprof import RunOptions, TraceLevel
 from lightning_prof import HookCallback, ProfilerHook
-from tests.conftest import FakeClock, RecordingHook, load_trace, op_events, timeline_steps
+from tests.conftest import NO_UNCLOSED_RESOURCES, FakeClock, RecordingHook, load_trace, op_events, timeline_steps
 from tests.lightning_models import TinyModel, loader, trainer
+
+pytestmark = NO_UNCLOSED_RESOURCES
 
 
 def op_names(trace, phase=None):

@@ -26,7 +26,10 @@ from hookprof.trace import format as fmt
 from hookprof.tracing.kineto_trace import KinetoExport, flops
 from lightning_prof import HookCallback, ProfilerHook
 from tests import worker_probe
+from tests.conftest import NO_UNCLOSED_RESOURCES
 from tests.lightning_models import TinyModel, loader, trainer
+
+pytestmark = NO_UNCLOSED_RESOURCES  # (the worker's pipes, closed whenever it ends)
 
 # The reference these tests compare with: torch's own per-event accessors, which hookprof does not read (torch
 # 2.11 has none of `activity_type` / `external_id` and still traces in full)
@@ -70,7 +73,9 @@ def test_flops_from_the_export_equal_torchs_own_for_every_op_it_counts(tmp_path)
     results.save(path)
     theirs = {e.external_id(): (e.name(), e.flops()) for e in results.events() if e.activity_type() == "cpu_op"}
     ours = {}
-    for event in orjson.loads(open(path, "rb").read())["traceEvents"]:
+    with open(path, "rb") as f:
+        events = orjson.loads(f.read())["traceEvents"]
+    for event in events:
         if event.get("cat") == "cpu_op":
             args = event["args"]
             ours[args["External id"]] = (event["name"], flops(event["name"], args.get("Input Dims") or (),
@@ -195,7 +200,11 @@ def test_the_worker_ends_with_the_training_process(tmp_path, how):
         except ChildProcessError:
             pass
         time.sleep(0.1)
-    state = open(f"/proc/{pid}/stat").read().split()[2] if os.path.exists(f"/proc/{pid}") else "gone"
+    parent.stdout.close()
+    state = "gone"
+    if os.path.exists(f"/proc/{pid}"):
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().split()[2]
     assert state in ("gone", "Z")
     if how != "killed":  # told to quit at exit: at once, not after the 5 s a stuck worker is given
         assert time.monotonic() - started < 4

@@ -116,6 +116,8 @@ class Worker:
             raise OSError(errno.ECHILD, self._broken)
         process = self._process
         if process is None or process.poll() is not None:
+            if process is not None:  # one that exited: reaped, its pipes closed
+                _end(process)
             if not sys.executable:  # (an embedded interpreter)
                 raise OSError(errno.ENOENT, "this Python has no executable to start the render worker with")
             # the parent's import path, absolute (the worker starts in the same directory, but the parent
@@ -132,9 +134,7 @@ class Worker:
 
     def _discard(self, process: subprocess.Popen) -> None:
         self._process = None
-        with contextlib.suppress(OSError, subprocess.TimeoutExpired):
-            process.kill()
-            process.wait(_POLL_SECONDS)  # (reaped: no zombie left behind)
+        _end(process)
 
     def stop(self) -> None:
         """End the worker (at the training process's exit): it is told to quit, finishes and exits."""
@@ -148,7 +148,8 @@ class Worker:
             process.stdin.close()
             process.wait(_EXIT_SECONDS)
         except (OSError, ValueError, subprocess.TimeoutExpired):
-            process.kill()
+            pass
+        _end(process)
 
     @property
     def answered(self) -> bool:
@@ -169,6 +170,18 @@ class Worker:
         if it ever needs one."""
         self._process = None
         self._lock = threading.Lock()
+
+
+def _end(process: subprocess.Popen) -> None:
+    """Kill the worker unless it has exited, reap it (no zombie) and close this side of its pipes (no file left
+    for the garbage collector to warn about: a `ResourceWarning` in the user's process)."""
+    with contextlib.suppress(OSError, subprocess.TimeoutExpired):
+        if process.poll() is None:
+            process.kill()
+        process.wait(_POLL_SECONDS)
+    for pipe in (process.stdin, process.stdout):
+        with contextlib.suppress(OSError):
+            pipe.close()
 
 
 def _send(out: IO[bytes], data: bytes) -> None:

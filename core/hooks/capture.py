@@ -23,7 +23,7 @@ import time
 import traceback
 from typing import Any
 
-from hookprof._runtime import arguments, worker
+from hookprof._runtime import arguments, distribution, worker
 from hookprof._runtime.atomic_file import atomic_write
 from hookprof._runtime.background import BACKGROUND, RENDERS, WRITES, BackgroundJob, count_dropped
 from hookprof._runtime.warn_once import WarnOnce
@@ -496,11 +496,11 @@ class CapturePipeline:
                             rendered.render_error)
         self._said_missing(rendered.events_error, NO_TENSORBOARD, "tb:render", "step_%d for TensorBoard", job.step,
                            "The tensorboard package is not installed: timelines are written but not the step_N "
-                           "graphs; pip install tensorboard, or pass tensorboard=False.")
+                           f"graphs; {distribution.install_hint('tensorboard')}, or pass tensorboard=False.")
         self._said_missing(rendered.xspace_error, NO_PROTOBUF, "xplane:render", "step %d for TensorBoard's Profile "
                            "tab", job.step, "The protobuf package is not installed: traced steps are not written "
-                           "for TensorBoard's Profile tab; pip install protobuf (tensorboard brings it), or pass "
-                           "capture=CaptureOptions(profile_tab=False).")
+                           "for TensorBoard's Profile tab; pip install 'hookprof[xprof]' (its viewer, with "
+                           "protobuf), or pass capture=CaptureOptions(profile_tab=False).")
         trace, events, xspace = rendered.trace, rendered.events, rendered.xspace
         if trace is not None or events or xspace is not None:
             self._writes.append(WRITES.submit(lambda: self.store(job, trace, events, xspace)))

@@ -7,6 +7,7 @@ keep_last) is the capture pipeline's (`CapturePipeline`, tuned by `CaptureOption
 
 from __future__ import annotations
 
+import collections
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -19,6 +20,7 @@ from hookprof.hooks.periodic_hook import PeriodicHook
 from hookprof.hooks.session_run_hook import RunOptions, SessionRunArgs, TraceLevel
 from hookprof.hooks.timer import AgreedTimer
 from hookprof.hooks.trigger_watch import CaptureWindow, TriggerWatch
+from hookprof.profiler.profiler import Profiler
 from hookprof.trace.writer import ChromeTraceWriter
 from hookprof.triggers import Trigger, check_triggers
 
@@ -102,7 +104,7 @@ class ProfilerHook(PeriodicHook):
         compress: bool = False,
         max_events: int | None = DEFAULT_MAX_EVENTS,
         tensorboard: bool = True,
-        profiler: Any = None,
+        profiler: Profiler | None = None,
         with_stack: bool = False,
         triggers: Sequence[Trigger] | None = None,
         capture_steps: int = 1,
@@ -176,7 +178,7 @@ class ProfilerHook(PeriodicHook):
         return self.pipeline.retention.removed
 
     @property
-    def fired(self) -> Any:
+    def fired(self) -> collections.Counter[str]:
         """Trigger fires by kind, over all runs (a `collections.Counter`)."""
         return self.watch.fired
 

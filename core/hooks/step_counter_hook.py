@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from hookprof._runtime import arguments
+from hookprof._runtime import arguments, distribution
 from hookprof._runtime.background import count_dropped
 from hookprof._runtime.warn_once import WarnOnce
 from hookprof.hooks.session_run_hook import SessionRunHook
@@ -73,6 +73,8 @@ class StepCounterHook(SessionRunHook):
         self.output_dir = None if output_dir is None else arguments.expand_dir(owner, "output_dir", output_dir)
         self._output_dir_given = output_dir is not None
         self._writer_arg = summary_writer
+        if output_dir is not None or summary_writer is not None:  # summaries asked for: their protos must be there
+            distribution.require("tensorboard", f"{owner}(output_dir=..., summary_writer=...)")
         if summary_writer is not None:
             from hookprof.tensorboard.events import as_event_sink
 
@@ -99,6 +101,10 @@ class StepCounterHook(SessionRunHook):
         self.close()  # a previous run that failed before end() lets go of its stream here
         if self._writer_arg is not None:
             self._sink = as_event_sink(self._writer_arg)
+        elif self.output_dir and not distribution.installed("tensorboard"):  # the adapter's default directory
+            self._warn_once("no tensorboard", "%s logs %s but writes no summaries: the tensorboard package is not "
+                            "installed; %s", type(self).__name__, self._summary_tag,
+                            distribution.install_hint("tensorboard"))
         elif self.output_dir:
             arguments.make_dir(type(self).__name__, "output_dir", self.output_dir)
             self._events_dir = self.output_dir

@@ -6,7 +6,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from hookprof._runtime import arguments
+from hookprof._runtime import arguments, distribution
 from hookprof._runtime.background import count_dropped
 from hookprof.hooks.periodic_hook import PeriodicHook
 from hookprof.hooks.session_run_hook import SessionRunArgs
@@ -67,6 +67,7 @@ class SummarySaverHook(PeriodicHook):
         clock: Callable[[], float] | None = None,
     ) -> None:
         owner = type(self).__name__
+        distribution.require("tensorboard", owner)  # its protos are the events and summaries this hook writes
         if (scaffold is None) == (summary_op is None):
             raise ValueError("Exactly one of scaffold or summary_op must be provided.")
         if scaffold is not None and not isinstance(scaffold, Scaffold):

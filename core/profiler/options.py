@@ -14,6 +14,8 @@ import copy
 import re
 from typing import Any
 
+from hookprof._runtime import distribution
+
 ORDER_BY = ("name", "depth", "bytes", "peak_bytes", "residual_bytes", "output_bytes", "micros",
             "accelerator_micros", "cpu_micros", "params", "float_ops", "occurrence")
 SELECT = ("bytes", "peak_bytes", "residual_bytes", "output_bytes", "micros", "accelerator_micros",
@@ -93,6 +95,8 @@ def parse_output(output: Any, where: str = "options") -> tuple[str, str | None]:
     key, _, path = rest.partition("=")
     if key != "outfile" or not path:
         raise ValueError(f"{where}: option 'output' {output!r} must look like '{kind}:outfile=PATH'.")
+    if kind == "pprof":  # the profile is written with protobuf, checked before any view runs
+        distribution.require("google.protobuf", "option 'output' 'pprof:outfile=...'")
     return kind, path
 
 

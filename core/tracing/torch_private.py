@@ -1,7 +1,7 @@
 """The private torch APIs the torch tracer uses, each found by feature detection when first needed.
 
 torch's profiler gives what the timelines' dataflow, memory tracks and fast module spans need only through
-private names, which may move or go between releases (pyproject declares torch>=2.3; the README says which
+private names, which may move or go between releases (pyproject declares torch>=2.11; the README says which
 versions were run). Where one is missing, the trace goes on without what it gave, and one warning per process
 names what the trace loses; where a public fallback gives the same content, nothing is said:
 
@@ -83,7 +83,7 @@ def export_only_config() -> Any:
         return None
 
 
-OLDEST_TORCH_RUN = "2.13"  # the oldest torch the tracer has run on (pyproject's floor; the README says which failed)
+OLDEST_TORCH_RUN = "2.11"  # the oldest torch the tracer has run on (pyproject's floor; the README says which failed)
 _RESULT_ACCESSORS = ("save", "trace_start_ns")  # the export the conversion reads, and its time base
 
 

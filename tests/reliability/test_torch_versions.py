@@ -160,4 +160,15 @@ def test_a_torch_whose_profiler_events_lack_what_the_tracer_reads_trains_untrace
         unsupported_torch.cache_clear()
     assert hook.saved_paths == []
     (warning,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Step not traced")]
-    assert "_ProfilerResult.trace_start_ns" in warning and "pip install 'torch>=2.13'" in warning
+    assert "_ProfilerResult.trace_start_ns" in warning and "pip install 'torch>=2.11'" in warning
+
+
+def test_the_torch_the_message_asks_for_is_the_floor_pip_installs():
+    """The unsupported-torch message, the `torch` and `lightning` extras' floors: one version, the oldest run."""
+    import tomllib
+    from pathlib import Path
+
+    extras = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    floors = {r for extra in ("torch", "lightning") for r in extras[extra] if r.startswith("torch")}
+    assert floors == {f"torch>={torch_private.OLDEST_TORCH_RUN}"}, floors
