@@ -660,3 +660,28 @@ def test_adding_the_same_step_twice_accumulates_and_op_log_adds_types():
         Profiler(model, op_log={"nope": ["x"]})
     with pytest.raises(ValueError, match=r"add_step\(step=-1\)"):
         prof.add_step(-1, stats())
+
+
+class KeepsATensor(TinyModel):
+    """Each step allocates a tensor it keeps past the step's end (an initialiser's randn kept as a weight) and
+    one it frees within the step."""
+
+    def training_step(self, batch, batch_idx):
+        self.kept = torch.randn(1000)  # 4000 bytes alive at the step's end
+        scratch = torch.randn(500)  # 2000 bytes, freed in the step
+        return super().training_step(batch, batch_idx) + 0 * scratch.sum()
+
+
+def test_a_tensor_alive_at_the_steps_end_is_residual_and_a_freed_one_is_not(tmp_dir):
+    """TF's residual bytes: what a node allocated in the step and is still allocated at its end."""
+    from hookprof.profiler.profile_data import PEAK, RESIDUAL
+
+    prof = Profiler()
+    hook = ProfilerHook(save_steps=2, output_dir=tmp_dir, profiler=prof, show_memory=True, tensorboard=False)
+    trainer(tmp_dir, [hook], 4).fit(KeepsATensor(), loader())
+    kept, scratch = prof.data.nodes["aten::randn"], prof.data.nodes["aten::randn_1"]
+    for step in (2, 4):
+        assert kept.steps[(0, step)][BYTES] == kept.steps[(0, step)][RESIDUAL] == 4000
+        assert scratch.steps[(0, step)][PEAK] == 2000 and scratch.steps[(0, step)][RESIDUAL] == 0
+    text = prof.profile_operations(B(B.time_and_memory()).with_node_names(show_name_regexes=[".*randn.*"]).build())
+    assert text.rows and any(row.self_["residual_bytes"] == 4000 for row in text.rows)
