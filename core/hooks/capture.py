@@ -34,6 +34,7 @@ from hookprof.trace import format as fmt
 from hookprof.trace import xplane
 from hookprof.trace.writer import ChromeTraceWriter
 from hookprof.tracing import HOST_DEVICE
+from hookprof.tracing.step_identity import DATAFLOW_MISSING
 
 # ProfilerHook's logger: its messages ("Saving timeline ...") stay where users set ProfilerHook's level.
 log = logging.getLogger("hookprof.hooks.profiler_hook")
@@ -186,6 +187,7 @@ class Rendered:
     xspace: bytes | None = None  # the step for TensorBoard's Profile tab (a serialized XSpace)
     xspace_error: str | None = None  # NO_PROTOBUF, or a traceback's text
     xspace_seconds: float = 0.0  # building it (the benchmarks read it)
+    dataflow_missing: str | None = None  # why the step has no arrows (`hookprof.tracing.step_identity`)
 
 
 def render_step(source: Any, writer: ChromeTraceWriter, spec: RenderSpec) -> Rendered:
@@ -206,6 +208,7 @@ def render_step(source: Any, writer: ChromeTraceWriter, spec: RenderSpec) -> Ren
             return rendered
     if stats.step is None:
         stats.step = spec.run_step
+    rendered.dataflow_missing = stats.metadata.get(DATAFLOW_MISSING)
     try:
         file_stats = with_recent_steps(stats, spec.capture) if spec.capture is not None else stats
         rendered.trace = writer.render(file_stats, spec.metadata, spec.distributed)
@@ -453,6 +456,9 @@ class CapturePipeline:
             rendered = worker.WORKER.call(render_step, exported, self.writer, job.spec,
                                           timeout=self.options.render_timeout_seconds)
             self._slowest_render = max(self._slowest_render, time.monotonic() - started)
+            on_mismatch = getattr(exported, "on_mismatch", None)  # (the worker's copy of the step has none)
+            if rendered.dataflow_missing is not None and on_mismatch is not None:
+                on_mismatch()
             return rendered
         except worker.WorkerFailed as err:
             count_dropped(self._counts)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Callable
 from typing import Any
 
 from hookprof._runtime.gc_pause import paused_gc
@@ -27,6 +28,7 @@ from hookprof.run_options import RunOptions
 from hookprof.step_stats import NodeExecStats, StepStats
 from hookprof.trace import format as fmt
 from hookprof.tracing.dataflow import find_edges
+from hookprof.tracing.step_identity import DATAFLOW_MISSING, TEMPLATES, Row, apply_template, build_template
 from hookprof.tracing.torch_dataflow import EventTree, step_dataflow
 from hookprof.tracing.torch_memory import add_allocations
 from hookprof.tracing.tracer import HOST_DEVICE
@@ -48,6 +50,7 @@ _TORCH_DTYPES = {
 _KERNEL_ACTIVITIES = {"kernel", "gpu_memcpy", "gpu_memset", "concurrent_kernel"}
 _RUNTIME_ACTIVITIES = {"cuda_runtime", "cuda_driver"}
 _HOST_ACTIVITIES = {"cpu_op", "user_annotation"} | _RUNTIME_ACTIVITIES
+_IDENTITY_ACTIVITIES = ("cpu_op", "user_annotation")  # the rows a template joins (`step_identity.Row`)
 
 
 @dataclasses.dataclass
@@ -60,6 +63,14 @@ class KinetoExport:
     options: RunOptions
     torch_version: str
     tree: EventTree | None = None  # when dataflow or memory were recorded (and this torch has the tree)
+    # (RECORD, fit token): leave the step's identities for the fit's next steps; (BORROW, fit token): take them
+    # from the fit's last such step (`hookprof.tracing.step_identity`); None: neither
+    identity: tuple[str, str] | None = None
+    # in the training process only (not pickled): told when borrowed identities did not fit this step
+    on_mismatch: Callable[[], None] | None = dataclasses.field(default=None, compare=False, repr=False)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "on_mismatch": None}
 
     def to_stats(self) -> StepStats:
         import orjson
@@ -68,17 +79,37 @@ class KinetoExport:
         with open(self.path, "rb") as f:
             raw = f.read()
         options = self.options
+        mode, token = self.identity or (None, "")
+        rows: list[Row] | None = [] if mode is not None else None
+        instants: list[dict[str, Any]] | None = [] if mode == BORROW else None
         with paused_gc():
             data = orjson.loads(raw)
-            by_external_id = _convert(data.get("traceEvents", ()), data.get("baseTimeNanoseconds", 0), stats,
-                                      options.records_tensors, options.with_stack)
+            base = data.get("baseTimeNanoseconds", 0)
+            by_external_id = _convert(data.get("traceEvents", ()), base, stats, options.records_tensors,
+                                      options.with_stack, rows, instants)
             tree = self.tree
+            if mode == RECORD and tree is not None:
+                TEMPLATES.remember(token, build_template(tree, rows))
+            elif mode == BORROW:
+                template = TEMPLATES.recall(token)
+                if template is None:
+                    reason = ("the step its tensor identities were to be taken from was not converted here (a "
+                              "restarted render worker, or a failed conversion)")
+                else:
+                    tree, reason = apply_template(template, rows, instants, base)
+                if reason is not None:
+                    stats.metadata[DATAFLOW_MISSING] = reason
+                    if self.on_mismatch is not None:
+                        self.on_mismatch()
             if tree is not None:
                 if options.record_dataflow:
                     stats.edges = find_edges(step_dataflow(tree, by_external_id))
                 if options.record_memory:
                     add_allocations(tree, stats, by_external_id)
         return stats
+
+
+RECORD, BORROW = "record", "borrow"  # `KinetoExport.identity` modes
 
 
 _NO_ARGS: dict[str, Any] = {}
@@ -135,13 +166,15 @@ def flops(name: str, dims: Any, types: Any, concrete: Any) -> int:
     return 0
 
 
-def _convert(events: Any, base: int, stats: StepStats, want_ids: bool = False, with_stack: bool = False
+def _convert(events: Any, base: int, stats: StepStats, want_ids: bool = False, with_stack: bool = False,
+             rows_out: list[Row] | None = None, instants_out: list[dict[str, Any]] | None = None
              ) -> dict[int, NodeExecStats]:
     """Turn kineto's exported events (times in microseconds after `base` ns) into NodeExecStats: scopes from
     module spans, phases from autograd and optimizer. With `with_stack`, each op gets its Python call
     stack (`args["stack"]`, outermost frame first) from the Python-function spans enclosing it on its
     thread. With `want_ids`, returns the op nodes by their profiler id (the event tree's link to them: its
-    ops' `correlation_id`, the export's `External id`).
+    ops' `correlation_id`, the export's `External id`). `rows_out`, when given, gets each op and user span as a
+    `Row` in start order; `instants_out` the export's `[memory]` instants (`hookprof.tracing.step_identity`).
     """
     by_external_id: dict[int, NodeExecStats] = {}
     host = stats.device(HOST_DEVICE)
@@ -151,6 +184,8 @@ def _convert(events: Any, base: int, stats: StepStats, want_ids: bool = False, w
     host_activities = _HOST_ACTIVITIES | {"python_function"} if with_stack else _HOST_ACTIVITIES
     for event in events:
         if event.get("ph") != "X":
+            if instants_out is not None and event.get("name") == "[memory]":
+                instants_out.append(event)
             continue
         activity = event.get("cat")
         if activity in host_activities:
@@ -253,6 +288,8 @@ def _convert(events: Any, base: int, stats: StepStats, want_ids: bool = False, w
             None, category, args,
         )
         nodes.append(node)
+        if rows_out is not None and activity in _IDENTITY_ACTIVITIES:
+            rows_out.append(Row(node, fields.get("External id", 0), _signature(name, fields), tid))
         if activity == "cpu_op":
             if want_ids:
                 by_external_id[fields.get("External id", 0)] = node
@@ -265,6 +302,16 @@ def _convert(events: Any, base: int, stats: StepStats, want_ids: bool = False, w
             if op is not None:
                 kernel.args[fmt.ARG_LAUNCHED_BY] = op.node_name
     return by_external_id
+
+
+def _signature(name: str, fields: dict[str, Any]) -> tuple:
+    """An op's name and the shapes of its tensor arguments, as the export writes them: what two steps' ops must
+    share for one to lend the other its tensor identities."""
+    dims = fields.get("Input Dims")
+    if not dims:
+        return (name,)
+    types = fields.get("Input type") or ()
+    return (name, *(tuple(d) for d, t in zip(dims, types) if t not in _NOT_TENSORS))
 
 
 def _add_kernel(event: dict[str, Any], activity: str, base: int, stats: StepStats) -> tuple[int, NodeExecStats]:
