@@ -4,13 +4,17 @@ peer, the cheapest way a torch user gets the same timeline), at each content lev
 
 Both trace the same steps: every step but the first (`save_steps=1`; the first step only starts the count),
 or every 10th (`save_steps=10`: 49-step fits, steps 10, 20, 30 and 40 traced, nine untraced steps after
-each while the render worker works; the fit's end waits for the last one). Each figure is a fit's extra
+each while the render worker works; the fit's end waits for the last one). With dataflow or memory, a fit's
+first traced step walks torch's event tree and the later ones borrow its tensor identities
+(`hookprof.tracing.step_identity`): of the every-step fits' 9 traced steps at 20k events, 8 borrow; of the
+every-10th fits' 4, 3. Each figure is a fit's extra
 time over the same fit untraced, per traced step (a fit returns only once ProfilerHook's files are on
 disk). Content levels (the peer records shapes always, and memory for the last level):
 - ops: `show_dataflow=False, tensorboard=False`;
 - ops + graph: `show_dataflow=False` (the TensorBoard `step_N` graph and run metadata on);
 - defaults: dataflow arrows and the TensorBoard step graph;
-- dataflow + memory: `show_memory=True, tensorboard=False` (the peer: `profile_memory=True`).
+- dataflow + memory: `show_memory=True, tensorboard=False` (the peer: `profile_memory=True`);
+- the defaults as they were before borrowed identities: every traced step walks its own event tree.
 Also timed, inside the same every-step fits: the training thread's wait for a traced step (our callback's
 batch end, where torch's profiler stops and the step is handed to the background thread, which has kineto
 export it and hands it to the render worker) against the peer's
@@ -21,9 +25,11 @@ metadata (`hookprof.tensorboard.graph.run_metadata_events`).
 
 MLPs of 40, 400 and 6400 `Linear(64, 64)` layers: about 2k, 20k and 300k events in a traced step (as
 torch's export counts them). Medians over rounds that each run every kind once, in an order rotated from
-round to round: 5 rounds of 12-step fits at 2k, 3 of 4-step fits at 20k, and at 300k one round of 2-step
+round to round: 5 rounds of 12-step fits at 2k, 3 of 10-step fits at 20k, and at 300k one round of 2-step
 fits (one traced step) and no every-10th fits. `HOOKPROF_BENCH_FAST=1`: the two smaller sizes, one round
-(under a minute), for a smoke run; the full run takes about 3.5 minutes on 2 cores.
+(under a minute), for a smoke run; `HOOKPROF_BENCH_LAYERS=400`: that size alone. The full run takes about 8
+minutes on 2 cores. The load average is printed with the table: on a shared machine, read the ratios, which
+compare fits of the same rounds.
 Numbers on a shared machine drift between fits: read the ratios, which compare fits of the same rounds.
 torch runs one intra-op thread: on 2 cores shared with other processes, two threads made a 37 ms step take
 0.5 s at random (each op's threads wait at a barrier for a thread the other process holds off its core).
@@ -44,19 +50,26 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from hookprof.hooks.capture import CapturePipeline
 from hookprof.hooks.profiler_hook import ProfilerHook
+from hookprof.tracing.torch_tracer import _Identities
 from lightning_prof import HookCallback
 
+GIVE_UP = _Identities.GIVE_UP
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from traced_fit_cost import MLP  # noqa: E402  (the same model of Linear(64, 64) layers)
 
 FAST = os.environ.get("HOOKPROF_BENCH_FAST") == "1"
+# the defaults as before issue 33: every traced step walks its own event tree (none borrows an earlier one's)
+WALKING = "defaults, every step walking its tree"
 # (layers, steps of an every-step fit, of an every-10th fit (0: none), rounds): about 2k, 20k and 300k events
-SIZES = ((40, 12, 49, 1), (400, 4, 49, 1)) if FAST else ((40, 12, 49, 5), (400, 4, 49, 3), (6400, 2, 0, 1))
+SIZES = ((40, 12, 49, 1), (400, 10, 49, 1)) if FAST else ((40, 12, 49, 5), (400, 10, 49, 3), (6400, 2, 0, 1))
+if os.environ.get("HOOKPROF_BENCH_LAYERS"):
+    SIZES = tuple(size for size in SIZES if size[0] == int(os.environ["HOOKPROF_BENCH_LAYERS"]))
 CONTENTS = {  # label: (ProfilerHook arguments, the peer records memory)
     "ops": ({"show_dataflow": False, "tensorboard": False}, False),
     "ops + graph": ({"show_dataflow": False}, False),
     "defaults (dataflow + graph)": ({}, False),
     "dataflow + memory": ({"show_memory": True, "tensorboard": False}, True),
+    WALKING: ({}, False),
 }
 
 
@@ -165,12 +178,17 @@ def fit(model: MLP, steps: int, kind: tuple) -> tuple[float, object]:
         callback = TorchProfilerPeer(kind[1], out, kind[2])
     elif kind[0] == "ours":
         callback = TimedCallback(TimedProfilerHook(save_steps=kind[1], output_dir=out, **CONTENTS[kind[2]][0]))
+        # (no step borrows tensor identities when none may give up on them)
+        _Identities.GIVE_UP = 0 if kind[2] == WALKING else GIVE_UP
     data = DataLoader(TensorDataset(torch.randn(steps * 32, 64)), batch_size=32)
     trainer = L.Trainer(max_steps=steps, callbacks=[callback] if callback else [], logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         accelerator="cpu", devices=1)
     start = time.perf_counter()
-    trainer.fit(model, data)
+    try:
+        trainer.fit(model, data)
+    finally:
+        _Identities.GIVE_UP = GIVE_UP
     elapsed = time.perf_counter() - start
     if kind[0] == "ours":
         callback.written = len(callback.hook.saved_paths)
@@ -240,6 +258,7 @@ def main():
                 share = f"{_ms(graph)} / {_ms(own)} = {graph / own:.0%}"
             print(f"| {layers} layers ({events:,}) | {content} | {cells[0]} | {cells[1]} | "
                   f"{_ms(wait)} / {_ms(stop)} = {wait / stop:.2f}x | {_ms(start)} | {share} |", flush=True)
+        print(f"(load average after {layers} layers: {', '.join(f'{x:.1f}' for x in os.getloadavg())})", flush=True)
         del model
 
 

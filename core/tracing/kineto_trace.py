@@ -28,7 +28,14 @@ from hookprof.run_options import RunOptions
 from hookprof.step_stats import NodeExecStats, StepStats
 from hookprof.trace import format as fmt
 from hookprof.tracing.dataflow import find_edges
-from hookprof.tracing.step_identity import DATAFLOW_MISSING, TEMPLATES, Row, apply_template, build_template
+from hookprof.tracing.step_identity import (
+    DATAFLOW_MISSING,
+    NOT_TENSORS,
+    TEMPLATES,
+    Row,
+    apply_template,
+    build_template,
+)
 from hookprof.tracing.torch_dataflow import EventTree, step_dataflow
 from hookprof.tracing.torch_memory import add_allocations
 from hookprof.tracing.tracer import HOST_DEVICE
@@ -115,7 +122,6 @@ RECORD, BORROW = "record", "borrow"  # `KinetoExport.identity` modes
 _NO_ARGS: dict[str, Any] = {}
 _COUNTED = frozenset({"aten::conv2d", "aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::mul",
                       "aten::add"})  # the ops torch's profiler counts flops for
-_NOT_TENSORS = ("Scalar", "ScalarList", "TensorList", "GenericList", "")
 
 
 def _numel(shape: Any) -> int:
@@ -147,7 +153,7 @@ def flops(name: str, dims: Any, types: Any, concrete: Any) -> int:
             count //= mat1[0]
         return 2 * count * _numel(mat2)
     if name in ("aten::mul", "aten::add"):  # the first argument's elements, when it is a tensor
-        return _numel(dims[0]) if dims and types and types[0] not in _NOT_TENSORS else 0
+        return _numel(dims[0]) if dims and types and types[0] not in NOT_TENSORS else 0
     if name == "aten::conv2d":
         if len(dims) < 7 or len(dims[0]) != 4 or len(dims[1]) != 4 or len(concrete) < 7:
             return 0
@@ -289,7 +295,8 @@ def _convert(events: Any, base: int, stats: StepStats, want_ids: bool = False, w
         )
         nodes.append(node)
         if rows_out is not None and activity in _IDENTITY_ACTIVITIES:
-            rows_out.append(Row(node, fields.get("External id", 0), _signature(name, fields), tid))
+            rows_out.append(Row(node, fields.get("External id", 0), tid, name, fields.get("Input Dims"),
+                                fields.get("Input type")))
         if activity == "cpu_op":
             if want_ids:
                 by_external_id[fields.get("External id", 0)] = node
@@ -302,16 +309,6 @@ def _convert(events: Any, base: int, stats: StepStats, want_ids: bool = False, w
             if op is not None:
                 kernel.args[fmt.ARG_LAUNCHED_BY] = op.node_name
     return by_external_id
-
-
-def _signature(name: str, fields: dict[str, Any]) -> tuple:
-    """An op's name and the shapes of its tensor arguments, as the export writes them: what two steps' ops must
-    share for one to lend the other its tensor identities."""
-    dims = fields.get("Input Dims")
-    if not dims:
-        return (name,)
-    types = fields.get("Input type") or ()
-    return (name, *(tuple(d) for d, t in zip(dims, types) if t not in _NOT_TENSORS))
 
 
 def _add_kernel(event: dict[str, Any], activity: str, base: int, stats: StepStats) -> tuple[int, NodeExecStats]:

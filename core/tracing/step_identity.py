@@ -26,7 +26,7 @@ import collections
 import dataclasses
 import threading
 from collections.abc import Hashable
-from typing import Any
+from typing import Any, NamedTuple
 
 from hookprof.step_stats import NodeExecStats, TensorDescription
 from hookprof.tracing.torch_dataflow import ALLOCATING_PLUMBING, Allocation, Block, EventTree, Read
@@ -35,15 +35,21 @@ from hookprof.tracing.tracer import HOST_DEVICE
 DATAFLOW_MISSING = "dataflow_missing"  # the step's metadata: why it has no arrows and no memory objects
 
 
-@dataclasses.dataclass(frozen=True)
-class Row:
+SIGNATURE = slice(3, None)  # a Row's signature: (name, dims, types)
+
+
+class Row(NamedTuple):
     """One op or user span of kineto's export, in start order: its node, its External id (the event tree's
-    `correlation_id`), its signature and its thread."""
+    `correlation_id`), its thread, and its signature: its name and its arguments' shapes and types as the
+    export writes them (the lists themselves, compared as they are), what two steps' ops must share for one to
+    lend the other its tensor identities (`row[SIGNATURE]`)."""
 
     node: NodeExecStats
     external_id: int
-    signature: tuple
     tid: int
+    name: str
+    dims: list | None
+    types: list | None
 
 
 @dataclasses.dataclass
@@ -85,15 +91,14 @@ def build_template(tree: EventTree, rows: list[Row]) -> IdentityTemplate:
         reads[at] = [(argument, keys.get(allocation_id, ("before", allocation_id)), tensor)
                      for argument, allocation_id, tensor in op_reads]
         written[at] = op_written
-    return IdentityTemplate([row.signature for row in rows], reads, written, made)
+    return IdentityTemplate([row[SIGNATURE] for row in rows], reads, written, made)
 
 
 def step_allocations(instants: list[dict[str, Any]], rows: list[Row], base: int
                      ) -> tuple[list[Allocation], dict[int, Block], dict[int, int]]:
     """The step's allocations and frees from kineto's `[memory]` instants, each allocation as a `Block` made in
     the innermost op around it (allocation plumbing skipped, as `allocating_op` does), by an id of this
-    step's own; also each row's position by its External id."""
-    rows = sorted(rows, key=lambda row: (row.node.start_ns, -row.node.duration_ns))
+    step's own; also each row's position by its External id. `rows` are in start order (outer first)."""
     position = {row.external_id: i for i, row in enumerate(rows)}
     parent: list[int] = []  # row position -> the position of the row around it, -1 for none
     open_rows: dict[int, list[int]] = {}
@@ -145,9 +150,13 @@ def step_allocations(instants: list[dict[str, Any]], rows: list[Row], base: int
     return allocations, blocks, position
 
 
+NOT_TENSORS = ("Scalar", "ScalarList", "TensorList", "GenericList", "")  # kineto's argument types with no shape
+
+
 def _said(signature: tuple) -> str:
     """An op's signature as the reason for a mismatch says it: `aten::linear, shapes [[4, 8], [16, 8], [16]]`."""
-    return f"{signature[0]}, shapes {[list(shape) for shape in signature[1:]]}"
+    name, dims, types = signature
+    return f"{name}, shapes {[d for d, t in zip(dims or (), types or ()) if t not in NOT_TENSORS]}"
 
 
 def _end(node: NodeExecStats) -> int:
@@ -163,8 +172,8 @@ def apply_template(template: IdentityTemplate, rows: list[Row], instants: list[d
         return None, (f"its {len(main)} ops differ from the {len(template.signatures)} of the step its tensor "
                       "identities were taken from")
     for i, (row, signature) in enumerate(zip(main, template.signatures)):
-        if row.signature != signature:
-            return None, (f"its op {i} ({_said(row.signature)}) differs from the step its tensor identities were "
+        if row[SIGNATURE] != signature:
+            return None, (f"its op {i} ({_said(row[SIGNATURE])}) differs from the step its tensor identities were "
                           f"taken from ({_said(signature)})")
     allocations, blocks, position = step_allocations(instants, rows, base)
     index = {row.external_id: i for i, row in enumerate(main)}
@@ -175,7 +184,7 @@ def apply_template(template: IdentityTemplate, rows: list[Row], instants: list[d
     for at, sizes in template.made.items():
         mine = [blocks[a].nbytes for a in made.get(at, ())]
         if mine != sizes:
-            where = "outside any op" if at < 0 else f"in op {at} ({main[at].signature[0]})" if at < len(main) else "?"
+            where = {-1: "outside any op", -2: "in ops of other threads"}.get(at) or f"in op {at} ({main[at].name})"
             return None, (f"its allocations {where} ({mine} bytes) differ from those of the step its tensor "
                           f"identities were taken from ({sizes})")
     ops = []
