@@ -1,6 +1,6 @@
 """Where a traced step's tensor identities (what dataflow arrows and memory objects need) can come from, and
-what each source costs, on one training step of an MLP of 400 `Linear(64, 64)` layers (about 20k events;
-forward, backward, SGD; torch on one thread), medians of 7 rounds, the kinds alternating in each round
+what each source costs, on one training step of an MLP of 200 `Linear(64, 64)` + `Tanh` pairs (forward,
+backward, SGD; torch on one thread), medians of 7 rounds, the kinds alternating in each round
 (issue 33):
 
 - the peer: `torch.profiler.profile(record_shapes=True)` (+ `profile_memory=True`) around the step and

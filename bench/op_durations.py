@@ -80,7 +80,7 @@ def main():
     for round_ in range(ROUNDS):
         for kind in (("ours", "torch") if round_ % 2 == 0 else ("torch", "ours")):
             runs[kind].append(fit(kind))
-    print(f"uptime: {os.getloadavg()}")
+    print(f"load average: {os.getloadavg()}")
     print("| op | torch.profiler (shapes + memory) | ours, all traced steps | ratio | ours, first traced step "
           "(own tree) | ours, later steps (borrowed) |")
     print("| --- | ---: | ---: | ---: | ---: | ---: |")

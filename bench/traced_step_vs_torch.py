@@ -23,6 +23,10 @@ the previous traced step's background work is done); and the share of our traced
 end plus the background job: conversion, timeline, TensorBoard events) spent building the step graph and run
 metadata (`hookprof.tensorboard.graph.run_metadata_events`).
 
+Also the extra CPU time per traced step, of the training process and the render worker together
+(`time.process_time`, and the worker's `/proc/<pid>/stat`; the peer has no worker): on a machine whose
+other load keeps the worker off a core, wall time charges ours with the worker's waits as well as its work.
+
 MLPs of 40, 400 and 6400 `Linear(64, 64)` layers: about 2k, 20k and 300k events in a traced step (as
 torch's export counts them). Medians over rounds that each run every kind once, in an order rotated from
 round to round: 5 rounds of 12-step fits at 2k, 3 of 10-step fits at 20k, and at 300k one round of 2-step
@@ -48,6 +52,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+from hookprof._runtime import worker
 from hookprof.hooks.capture import CapturePipeline
 from hookprof.hooks.profiler_hook import ProfilerHook
 from hookprof.tracing.torch_tracer import _Identities
@@ -170,8 +175,20 @@ class TimedCallback(HookCallback):
             self.ends.append(time.perf_counter() - start)
 
 
-def fit(model: MLP, steps: int, kind: tuple) -> tuple[float, object]:
-    """(fit seconds, the callback) for kind ("none", every), ("torch", every, memory) or ("ours", every, content)."""
+def worker_cpu() -> float:
+    """CPU seconds the render worker has used so far (0 where none runs)."""
+    process = worker.WORKER._process
+    try:
+        with open(f"/proc/{process.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (AttributeError, OSError):
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def fit(model: MLP, steps: int, kind: tuple) -> tuple[float, object, float]:
+    """(fit seconds, the callback, CPU seconds of this process and the render worker) for kind ("none", every),
+    ("torch", every, memory) or ("ours", every, content)."""
     out = tempfile.mkdtemp()
     callback = None
     if kind[0] == "torch":
@@ -184,16 +201,16 @@ def fit(model: MLP, steps: int, kind: tuple) -> tuple[float, object]:
     trainer = L.Trainer(max_steps=steps, callbacks=[callback] if callback else [], logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         accelerator="cpu", devices=1)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time() + worker_cpu()
     try:
         trainer.fit(model, data)
     finally:
         _Identities.GIVE_UP = GIVE_UP
-    elapsed = time.perf_counter() - start
+    elapsed, cpu = time.perf_counter() - start, time.process_time() + worker_cpu() - cpu
     if kind[0] == "ours":
         callback.written = len(callback.hook.saved_paths)
     shutil.rmtree(out, ignore_errors=True)
-    return elapsed, callback
+    return elapsed, callback, cpu
 
 
 def events_in_step(model: MLP) -> int:
@@ -219,9 +236,10 @@ def main():
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     logging.getLogger("hookprof.hooks.profiler_hook").setLevel(logging.WARNING)
     print("| step (torch's events) | content | every step: ours / torch, per traced step | every 10th: ours / torch | "
+          "CPU, every step: ours / torch | CPU, every 10th | "
           "training waits, ours: batch end / torch's profiler stop | ours: batch start | "
           "step graph + run metadata / our traced step |")
-    print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for layers, steps_every, steps_tenth, rounds in SIZES:
         model = MLP(layers)
         events = events_in_step(model)
@@ -247,27 +265,34 @@ def main():
                 cells.append(f"{_ms(ours)} / {_ms(theirs)} = {ours / theirs:.2f}x{skipped}")
             if len(cells) == 1:
                 cells.append("-")
-            ours_every = [callback for _, callback in runs[("ours", 1, content)]]
+            for every in schedules:
+                ours = per_traced_step(runs, ("ours", every, content), 2)[0]
+                theirs = per_traced_step(runs, ("torch", every, memory), 2)[0]
+                cells.append(f"{_ms(ours)} / {_ms(theirs)} = {ours / theirs:.2f}x")
+            if len(cells) == 3:
+                cells.append("-")
+            ours_every = [run[1] for run in runs[("ours", 1, content)]]
             wait = _median(c.ends for c in ours_every)
-            stop = _median(c.stops for _, c in runs[("torch", 1, memory)])
+            stop = _median(c.stops for _, c, _ in runs[("torch", 1, memory)])
             start = _median(c.starts for c in ours_every)
             share = "-"
             if any(c.hook.graphs for c in ours_every):
                 own = statistics.median(end + job for c in ours_every for end, job in zip(c.ends, c.hook.jobs))
                 graph = _median(c.hook.graphs for c in ours_every)
                 share = f"{_ms(graph)} / {_ms(own)} = {graph / own:.0%}"
-            print(f"| {layers} layers ({events:,}) | {content} | {cells[0]} | {cells[1]} | "
+            print(f"| {layers} layers ({events:,}) | {content} | {cells[0]} | {cells[1]} | {cells[2]} | {cells[3]} | "
                   f"{_ms(wait)} / {_ms(stop)} = {wait / stop:.2f}x | {_ms(start)} | {share} |", flush=True)
         print(f"(load average after {layers} layers: {', '.join(f'{x:.1f}' for x in os.getloadavg())})", flush=True)
         del model
 
 
-def per_traced_step(runs: dict[tuple, list], kind: tuple) -> tuple[float, int]:
-    """(median extra seconds per traced step over the untraced fit of the same schedule, steps traced a fit)."""
-    none = statistics.median(elapsed for elapsed, _ in runs[("none", kind[1])])
+def per_traced_step(runs: dict[tuple, list], kind: tuple, measure: int = 0) -> tuple[float, int]:
+    """(median extra seconds per traced step over the untraced fit of the same schedule, steps traced a fit):
+    wall time (`measure` 0) or CPU time of this process and the render worker (2)."""
+    none = statistics.median(run[measure] for run in runs[("none", kind[1])])
     callback = runs[kind][0][1]
     traced = callback.traces if kind[0] == "torch" else callback.written
-    return (statistics.median(elapsed for elapsed, _ in runs[kind]) - none) / max(1, traced), traced
+    return (statistics.median(run[measure] for run in runs[kind]) - none) / max(1, traced), traced
 
 
 def _median(lists) -> float:

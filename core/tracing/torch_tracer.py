@@ -122,7 +122,13 @@ class _Identities:
                 return None
             return BORROW if self.recorded else RECORD
 
+    def record(self) -> None:
+        """A step's identities were exported: the next traced steps borrow them."""
+        with self._lock:
+            self.recorded = True
+
     def mismatch(self) -> None:
+        """A step's borrowed identities did not fit it: the next traced step walks its tree again."""
         with self._lock:
             self.recorded = False
             self.mismatches += 1
@@ -261,7 +267,7 @@ class _Recording:
             exported = KinetoExport(path, results.trace_start_ns(), options, str(torch.__version__), tree, identity,
                                     identities.mismatch if identity is not None and identity[0] == BORROW else None)
             if identity is not None and identity[0] == RECORD:
-                identities.recorded = True  # the next traced steps borrow this one's identities
+                identities.record()
             weakref.finalize(exported, _remove_own, path, os.getpid())
             self._exported, self._results = exported, None  # (kineto's copy is freed now)
             return exported
