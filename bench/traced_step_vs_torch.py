@@ -24,7 +24,8 @@ end plus the background job: conversion, timeline, TensorBoard events) spent bui
 metadata (`hookprof.tensorboard.graph.run_metadata_events`).
 
 Also the extra CPU time per traced step, of the training process and the render worker together
-(`time.process_time`, and the worker's `/proc/<pid>/stat`; the peer has no worker): on a machine whose
+(`time.process_time`, the reaped children's `getrusage`, and a running worker's `/proc/<pid>/stat`; the
+peer has no worker): on a machine whose
 other load keeps the worker off a core, wall time charges ours with the worker's waits as well as its work.
 
 MLPs of 40, 400 and 6400 `Linear(64, 64)` layers: about 2k, 20k and 300k events in a traced step (as
@@ -42,6 +43,7 @@ The table goes to stdout; kineto logs each profiler start and stop on stderr.
 
 import logging
 import os
+import resource
 import shutil
 import statistics
 import sys
@@ -175,15 +177,20 @@ class TimedCallback(HookCallback):
             self.ends.append(time.perf_counter() - start)
 
 
-def worker_cpu() -> float:
-    """CPU seconds the render worker has used so far (0 where none runs)."""
+def cpu_seconds() -> float:
+    """CPU seconds used so far by this process, its reaped children (render workers a fit stopped) and the
+    render worker running now: a difference of two readings is what a fit cost, its workers included (one
+    running at the first reading and reaped by the second is in both the children's count and the first
+    reading, which the difference takes off)."""
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    seconds = time.process_time() + children.ru_utime + children.ru_stime
     process = worker.WORKER._process
     try:
         with open(f"/proc/{process.pid}/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()
     except (AttributeError, OSError):
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+        return seconds
+    return seconds + (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # its utime + stime
 
 
 def fit(model: MLP, steps: int, kind: tuple) -> tuple[float, object, float]:
@@ -201,12 +208,12 @@ def fit(model: MLP, steps: int, kind: tuple) -> tuple[float, object, float]:
     trainer = L.Trainer(max_steps=steps, callbacks=[callback] if callback else [], logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         accelerator="cpu", devices=1)
-    start, cpu = time.perf_counter(), time.process_time() + worker_cpu()
+    start, cpu = time.perf_counter(), cpu_seconds()
     try:
         trainer.fit(model, data)
     finally:
         _Identities.GIVE_UP = GIVE_UP
-    elapsed, cpu = time.perf_counter() - start, time.process_time() + worker_cpu() - cpu
+    elapsed, cpu = time.perf_counter() - start, cpu_seconds() - cpu
     if kind[0] == "ours":
         callback.written = len(callback.hook.saved_paths)
     shutil.rmtree(out, ignore_errors=True)

@@ -6,7 +6,7 @@ three times what torch's own profiler costs a step. A training loop repeats the 
 and with them the same pattern of reads and allocations, so the tree of one traced step is enough for the
 next ones:
 - a step whose tree was walked (today's path) also leaves an `IdentityTemplate`: its ops in start order,
-  each with its signature (name and tensor shapes, as kineto's export writes them), the tensors it read
+  each with its signature (name, argument shapes and types, as kineto's export writes them), the tensors it read
   (each as the allocation that held it, named by the op that made the allocation and its rank among that
   op's allocations, or as data from before the step) and the arguments it writes;
 - a later traced step records only what kineto's export holds (torch's cheaper `trace_only` stop, with
@@ -95,11 +95,10 @@ def build_template(tree: EventTree, rows: list[Row]) -> IdentityTemplate:
 
 
 def step_allocations(instants: list[dict[str, Any]], rows: list[Row], base: int
-                     ) -> tuple[list[Allocation], dict[int, Block], dict[int, int]]:
+                     ) -> tuple[list[Allocation], dict[int, Block]]:
     """The step's allocations and frees from kineto's `[memory]` instants, each allocation as a `Block` made in
     the innermost op around it (allocation plumbing skipped, as `allocating_op` does), by an id of this
-    step's own; also each row's position by its External id. `rows` are in start order (outer first)."""
-    position = {row.external_id: i for i, row in enumerate(rows)}
+    step's own. `rows` are in start order (outer first)."""
     parent: list[int] = []  # row position -> the position of the row around it, -1 for none
     open_rows: dict[int, list[int]] = {}
     events = sorted((round(e["ts"] * 1000) + base, i, e) for i, e in enumerate(instants))
@@ -147,7 +146,7 @@ def step_allocations(instants: list[dict[str, Any]], rows: list[Row], base: int
                 block.free_ns = time
         allocations.append(Allocation(time, allocation_id, nbytes, device, fields.get("Total Allocated", 0),
                                       fields.get("Total Reserved", 0)))
-    return allocations, blocks, position
+    return allocations, blocks
 
 
 NOT_TENSORS = ("Scalar", "ScalarList", "TensorList", "GenericList", "")  # kineto's argument types with no shape
@@ -175,7 +174,7 @@ def apply_template(template: IdentityTemplate, rows: list[Row], instants: list[d
         if row[SIGNATURE] != signature:
             return None, (f"its op {i} ({_said(row[SIGNATURE])}) differs from the step its tensor identities were "
                           f"taken from ({_said(signature)})")
-    allocations, blocks, position = step_allocations(instants, rows, base)
+    allocations, blocks = step_allocations(instants, rows, base)
     index = {row.external_id: i for i, row in enumerate(main)}
     made: dict[int, list[int]] = {}  # op position -> this step's allocation ids it made, in time order
     for allocation_id, block in blocks.items():
