@@ -203,9 +203,7 @@ class ProfilerHook(PeriodicHook):
         super().after_create_session(session, coord)
         rank = getattr(session, "rank", 0)
         self._writes_here = self.ranks is None or rank in self.ranks
-        self.watch.start(session, self._writes_here)
-        if self._writes_here:
-            self.pipeline.start_worker()  # its interpreter starts while the first steps run
+        self.watch.start(session, self._writes_here)  # (the render worker starts with the first traced step)
 
     def _traces_step(self, global_step: int) -> bool:
         """Whether the step starting at `global_step` is one to trace (never the first: see after_run)."""
