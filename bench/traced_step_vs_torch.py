@@ -4,13 +4,17 @@ peer, the cheapest way a torch user gets the same timeline), at each content lev
 
 Both trace the same steps: every step but the first (`save_steps=1`; the first step only starts the count),
 or every 10th (`save_steps=10`: 49-step fits, steps 10, 20, 30 and 40 traced, nine untraced steps after
-each while the render worker works; the fit's end waits for the last one). Each figure is a fit's extra
+each while the render worker works; the fit's end waits for the last one). With dataflow or memory, a fit's
+first traced step walks torch's event tree and the later ones borrow its tensor identities
+(`hookprof.tracing.step_identity`): of the every-step fits' 9 traced steps at 20k events, 8 borrow; of the
+every-10th fits' 4, 3. Each figure is a fit's extra
 time over the same fit untraced, per traced step (a fit returns only once ProfilerHook's files are on
 disk). Content levels (the peer records shapes always, and memory for the last level):
 - ops: `show_dataflow=False, tensorboard=False`;
 - ops + graph: `show_dataflow=False` (the TensorBoard `step_N` graph and run metadata on);
 - defaults: dataflow arrows and the TensorBoard step graph;
-- dataflow + memory: `show_memory=True, tensorboard=False` (the peer: `profile_memory=True`).
+- dataflow + memory: `show_memory=True, tensorboard=False` (the peer: `profile_memory=True`);
+- the defaults as they were before borrowed identities: every traced step walks its own event tree.
 Also timed, inside the same every-step fits: the training thread's wait for a traced step (our callback's
 batch end, where torch's profiler stops and the step is handed to the background thread, which has kineto
 export it and hands it to the render worker) against the peer's
@@ -19,11 +23,18 @@ the previous traced step's background work is done); and the share of our traced
 end plus the background job: conversion, timeline, TensorBoard events) spent building the step graph and run
 metadata (`hookprof.tensorboard.graph.run_metadata_events`).
 
+Also the extra CPU time per traced step, of the training process and the render worker together
+(`time.process_time`, the reaped children's `getrusage`, and a running worker's `/proc/<pid>/stat`; the
+peer has no worker): on a machine whose
+other load keeps the worker off a core, wall time charges ours with the worker's waits as well as its work.
+
 MLPs of 40, 400 and 6400 `Linear(64, 64)` layers: about 2k, 20k and 300k events in a traced step (as
 torch's export counts them). Medians over rounds that each run every kind once, in an order rotated from
-round to round: 5 rounds of 12-step fits at 2k, 3 of 4-step fits at 20k, and at 300k one round of 2-step
+round to round: 5 rounds of 12-step fits at 2k, 3 of 10-step fits at 20k, and at 300k one round of 2-step
 fits (one traced step) and no every-10th fits. `HOOKPROF_BENCH_FAST=1`: the two smaller sizes, one round
-(under a minute), for a smoke run; the full run takes about 3.5 minutes on 2 cores.
+(under a minute), for a smoke run; `HOOKPROF_BENCH_LAYERS=400`: that size alone. The full run takes about 8
+minutes on 2 cores. The load average is printed with the table: on a shared machine, read the ratios, which
+compare fits of the same rounds.
 Numbers on a shared machine drift between fits: read the ratios, which compare fits of the same rounds.
 torch runs one intra-op thread: on 2 cores shared with other processes, two threads made a 37 ms step take
 0.5 s at random (each op's threads wait at a barrier for a thread the other process holds off its core).
@@ -32,6 +43,7 @@ The table goes to stdout; kineto logs each profiler start and stop on stderr.
 
 import logging
 import os
+import resource
 import shutil
 import statistics
 import sys
@@ -42,21 +54,29 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+from hookprof._runtime import worker
 from hookprof.hooks.capture import CapturePipeline
 from hookprof.hooks.profiler_hook import ProfilerHook
+from hookprof.tracing.torch_tracer import _Identities
 from lightning_prof import HookCallback
 
+GIVE_UP = _Identities.GIVE_UP
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from traced_fit_cost import MLP  # noqa: E402  (the same model of Linear(64, 64) layers)
 
 FAST = os.environ.get("HOOKPROF_BENCH_FAST") == "1"
+# the defaults as before issue 33: every traced step walks its own event tree (none borrows an earlier one's)
+WALKING = "defaults, every step walking its tree"
 # (layers, steps of an every-step fit, of an every-10th fit (0: none), rounds): about 2k, 20k and 300k events
-SIZES = ((40, 12, 49, 1), (400, 4, 49, 1)) if FAST else ((40, 12, 49, 5), (400, 4, 49, 3), (6400, 2, 0, 1))
+SIZES = ((40, 12, 49, 1), (400, 10, 49, 1)) if FAST else ((40, 12, 49, 5), (400, 10, 49, 3), (6400, 2, 0, 1))
+if os.environ.get("HOOKPROF_BENCH_LAYERS"):
+    SIZES = tuple(size for size in SIZES if size[0] == int(os.environ["HOOKPROF_BENCH_LAYERS"]))
 CONTENTS = {  # label: (ProfilerHook arguments, the peer records memory)
     "ops": ({"show_dataflow": False, "tensorboard": False}, False),
     "ops + graph": ({"show_dataflow": False}, False),
     "defaults (dataflow + graph)": ({}, False),
     "dataflow + memory": ({"show_memory": True, "tensorboard": False}, True),
+    WALKING: ({}, False),
 }
 
 
@@ -157,25 +177,47 @@ class TimedCallback(HookCallback):
             self.ends.append(time.perf_counter() - start)
 
 
-def fit(model: MLP, steps: int, kind: tuple) -> tuple[float, object]:
-    """(fit seconds, the callback) for kind ("none", every), ("torch", every, memory) or ("ours", every, content)."""
+def cpu_seconds() -> float:
+    """CPU seconds used so far by this process, its reaped children (render workers a fit stopped) and the
+    render worker running now: a difference of two readings is what a fit cost, its workers included (one
+    running at the first reading and reaped by the second is in both the children's count and the first
+    reading, which the difference takes off)."""
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    seconds = time.process_time() + children.ru_utime + children.ru_stime
+    process = worker.WORKER._process
+    try:
+        with open(f"/proc/{process.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (AttributeError, OSError):
+        return seconds
+    return seconds + (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # its utime + stime
+
+
+def fit(model: MLP, steps: int, kind: tuple) -> tuple[float, object, float]:
+    """(fit seconds, the callback, CPU seconds of this process and the render worker) for kind ("none", every),
+    ("torch", every, memory) or ("ours", every, content)."""
     out = tempfile.mkdtemp()
     callback = None
     if kind[0] == "torch":
         callback = TorchProfilerPeer(kind[1], out, kind[2])
     elif kind[0] == "ours":
         callback = TimedCallback(TimedProfilerHook(save_steps=kind[1], output_dir=out, **CONTENTS[kind[2]][0]))
+        # (no step borrows tensor identities when none may give up on them)
+        _Identities.GIVE_UP = 0 if kind[2] == WALKING else GIVE_UP
     data = DataLoader(TensorDataset(torch.randn(steps * 32, 64)), batch_size=32)
     trainer = L.Trainer(max_steps=steps, callbacks=[callback] if callback else [], logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         accelerator="cpu", devices=1)
-    start = time.perf_counter()
-    trainer.fit(model, data)
-    elapsed = time.perf_counter() - start
+    start, cpu = time.perf_counter(), cpu_seconds()
+    try:
+        trainer.fit(model, data)
+    finally:
+        _Identities.GIVE_UP = GIVE_UP
+    elapsed, cpu = time.perf_counter() - start, cpu_seconds() - cpu
     if kind[0] == "ours":
         callback.written = len(callback.hook.saved_paths)
     shutil.rmtree(out, ignore_errors=True)
-    return elapsed, callback
+    return elapsed, callback, cpu
 
 
 def events_in_step(model: MLP) -> int:
@@ -201,9 +243,10 @@ def main():
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     logging.getLogger("hookprof.hooks.profiler_hook").setLevel(logging.WARNING)
     print("| step (torch's events) | content | every step: ours / torch, per traced step | every 10th: ours / torch | "
+          "CPU, every step: ours / torch | CPU, every 10th | "
           "training waits, ours: batch end / torch's profiler stop | ours: batch start | "
           "step graph + run metadata / our traced step |")
-    print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for layers, steps_every, steps_tenth, rounds in SIZES:
         model = MLP(layers)
         events = events_in_step(model)
@@ -229,26 +272,34 @@ def main():
                 cells.append(f"{_ms(ours)} / {_ms(theirs)} = {ours / theirs:.2f}x{skipped}")
             if len(cells) == 1:
                 cells.append("-")
-            ours_every = [callback for _, callback in runs[("ours", 1, content)]]
+            for every in schedules:
+                ours = per_traced_step(runs, ("ours", every, content), 2)[0]
+                theirs = per_traced_step(runs, ("torch", every, memory), 2)[0]
+                cells.append(f"{_ms(ours)} / {_ms(theirs)} = {ours / theirs:.2f}x")
+            if len(cells) == 3:
+                cells.append("-")
+            ours_every = [run[1] for run in runs[("ours", 1, content)]]
             wait = _median(c.ends for c in ours_every)
-            stop = _median(c.stops for _, c in runs[("torch", 1, memory)])
+            stop = _median(c.stops for _, c, _ in runs[("torch", 1, memory)])
             start = _median(c.starts for c in ours_every)
             share = "-"
             if any(c.hook.graphs for c in ours_every):
                 own = statistics.median(end + job for c in ours_every for end, job in zip(c.ends, c.hook.jobs))
                 graph = _median(c.hook.graphs for c in ours_every)
                 share = f"{_ms(graph)} / {_ms(own)} = {graph / own:.0%}"
-            print(f"| {layers} layers ({events:,}) | {content} | {cells[0]} | {cells[1]} | "
+            print(f"| {layers} layers ({events:,}) | {content} | {cells[0]} | {cells[1]} | {cells[2]} | {cells[3]} | "
                   f"{_ms(wait)} / {_ms(stop)} = {wait / stop:.2f}x | {_ms(start)} | {share} |", flush=True)
+        print(f"(load average after {layers} layers: {', '.join(f'{x:.1f}' for x in os.getloadavg())})", flush=True)
         del model
 
 
-def per_traced_step(runs: dict[tuple, list], kind: tuple) -> tuple[float, int]:
-    """(median extra seconds per traced step over the untraced fit of the same schedule, steps traced a fit)."""
-    none = statistics.median(elapsed for elapsed, _ in runs[("none", kind[1])])
+def per_traced_step(runs: dict[tuple, list], kind: tuple, measure: int = 0) -> tuple[float, int]:
+    """(median extra seconds per traced step over the untraced fit of the same schedule, steps traced a fit):
+    wall time (`measure` 0) or CPU time of this process and the render worker (2)."""
+    none = statistics.median(run[measure] for run in runs[("none", kind[1])])
     callback = runs[kind][0][1]
     traced = callback.traces if kind[0] == "torch" else callback.written
-    return (statistics.median(elapsed for elapsed, _ in runs[kind]) - none) / max(1, traced), traced
+    return (statistics.median(run[measure] for run in runs[kind]) - none) / max(1, traced), traced
 
 
 def _median(lists) -> float:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import errno
+import gc
 import importlib
 import logging
 import os
@@ -283,6 +284,11 @@ def main(parent: int, preload: tuple[str, ...] = ()) -> None:
             importlib.import_module(module)
         except Exception:  # (said when a call needs it)
             pass
+    # The worker builds and drops a step's hundreds of thousands of acyclic objects per call: the cyclic
+    # collector runs once after each call, when they are gone (a pass then costs little: what the imports made
+    # is frozen out of it), never while they are alive (a full pass over a 20k-op step cost 120 ms).
+    gc.disable()
+    gc.freeze()
     requests = sys.stdin.buffer.fileno()
     replies = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # a stray print must not corrupt the replies
@@ -307,6 +313,8 @@ def main(parent: int, preload: tuple[str, ...] = ()) -> None:
             _send(replies, data)
         except OSError:  # the training process is gone
             return
+        del request, result, data
+        gc.collect()
 
 
 WORKER = Worker()

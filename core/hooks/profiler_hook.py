@@ -210,9 +210,7 @@ class ProfilerHook(PeriodicHook):
         # next is traced (`agreed`), so that every rank traces the same steps and merged traces line up
         own = self._timer.own if isinstance(self._timer, AgreedTimer) else self._timer
         self._timer = AgreedTimer(own) if self._agreeing and self.save_secs is not None else own
-        self.watch.start(session, self._writes_here)
-        if self._writes_here:
-            self.pipeline.start_worker()  # its interpreter starts while the first steps run
+        self.watch.start(session, self._writes_here)  # (the render worker starts with the first traced step)
 
     def _traces_step(self, global_step: int, timer: Any = None) -> bool:
         """Whether the step starting at `global_step` is one to trace (never the first: see after_run), by

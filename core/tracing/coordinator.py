@@ -92,6 +92,7 @@ class StepTraceCoordinator:
         self.recent: collections.deque[StepRecord] = collections.deque(maxlen=0)
         self.last_record: StepRecord | None = None  # the watched step that ended last, until the next begins
         self._record: StepRecord | None = None  # the watched step running
+        self._tracer_state: dict[str, Any] = {}  # what a run's traced steps leave for its later ones (`bind_fit`)
 
     def watch(self, steps: int) -> None:
         """Keep the records of at least the last `steps` steps until `unwatch(steps)`."""
@@ -121,6 +122,7 @@ class StepTraceCoordinator:
         """Training (re)starts: a trace left running by an unfinished step of a previous run is stopped, and
         the time since that run's last step is no data wait."""
         self.abort()
+        self._tracer_state = {}
         self._last_step_end_ns = None
         self.recent.clear()
         self.last_record = None
@@ -152,6 +154,9 @@ class StepTraceCoordinator:
         BACKGROUND.wait_idle()  # the previous traced step's conversion and files must not run inside this one
         try:
             tracer = factory()
+            bind = getattr(tracer, "bind_fit", None)  # (duck-typed tracers may lack it)
+            if bind is not None:
+                bind(self._tracer_state)
             tracer.start(options)
         except TracerUnavailable as err:
             self._warn_once(f"unavailable:{err}", "Step not traced: %s", err)
@@ -263,6 +268,12 @@ class PhasedExport:
 
     def to_stats(self) -> StepStats:
         return self.phases.add_to(self.exported.to_stats())
+
+    @property
+    def on_mismatch(self) -> Any:
+        """The tracer's callback for a step converted elsewhere whose borrowed tensor identities did not fit
+        (`hookprof.tracing.step_identity`), or None."""
+        return getattr(self.exported, "on_mismatch", None)
 
 
 MICRO_BATCH = "forward"  # the mark a micro-batch after the step's first begins with (its forward pass)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Callable
 from typing import Any
 
 from hookprof._runtime.gc_pause import paused_gc
@@ -27,6 +28,14 @@ from hookprof.run_options import RunOptions
 from hookprof.step_stats import NodeExecStats, StepStats
 from hookprof.trace import format as fmt
 from hookprof.tracing.dataflow import find_edges
+from hookprof.tracing.step_identity import (
+    DATAFLOW_MISSING,
+    NOT_TENSORS,
+    TEMPLATES,
+    Row,
+    apply_template,
+    build_template,
+)
 from hookprof.tracing.torch_dataflow import EventTree, step_dataflow
 from hookprof.tracing.torch_memory import add_allocations
 from hookprof.tracing.tracer import HOST_DEVICE
@@ -48,6 +57,7 @@ _TORCH_DTYPES = {
 _KERNEL_ACTIVITIES = {"kernel", "gpu_memcpy", "gpu_memset", "concurrent_kernel"}
 _RUNTIME_ACTIVITIES = {"cuda_runtime", "cuda_driver"}
 _HOST_ACTIVITIES = {"cpu_op", "user_annotation"} | _RUNTIME_ACTIVITIES
+_IDENTITY_ACTIVITIES = ("cpu_op", "user_annotation")  # the rows a template joins (`step_identity.Row`)
 
 
 @dataclasses.dataclass
@@ -60,6 +70,14 @@ class KinetoExport:
     options: RunOptions
     torch_version: str
     tree: EventTree | None = None  # when dataflow or memory were recorded (and this torch has the tree)
+    # (RECORD, fit token): leave the step's identities for the fit's next steps; (BORROW, fit token): take them
+    # from the fit's last such step (`hookprof.tracing.step_identity`); None: neither
+    identity: tuple[str, str] | None = None
+    # in the training process only (not pickled): told when borrowed identities did not fit this step
+    on_mismatch: Callable[[], None] | None = dataclasses.field(default=None, compare=False, repr=False)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "on_mismatch": None}
 
     def to_stats(self) -> StepStats:
         import orjson
@@ -68,11 +86,28 @@ class KinetoExport:
         with open(self.path, "rb") as f:
             raw = f.read()
         options = self.options
+        mode, token = self.identity or (None, "")
+        rows: list[Row] | None = [] if mode is not None else None
+        instants: list[dict[str, Any]] | None = [] if mode == BORROW else None
         with paused_gc():
             data = orjson.loads(raw)
-            by_external_id = _convert(data.get("traceEvents", ()), data.get("baseTimeNanoseconds", 0), stats,
-                                      options.records_tensors, options.with_stack)
+            base = data.get("baseTimeNanoseconds", 0)
+            by_external_id = _convert(data.get("traceEvents", ()), base, stats, options.records_tensors,
+                                      options.with_stack, rows, instants)
             tree = self.tree
+            if mode == RECORD and tree is not None:
+                TEMPLATES.remember(token, build_template(tree, rows))
+            elif mode == BORROW:
+                template = TEMPLATES.recall(token)
+                if template is None:
+                    reason = ("the step its tensor identities were to be taken from was not converted here (a "
+                              "restarted render worker, or a failed conversion)")
+                else:
+                    tree, reason = apply_template(template, rows, instants, base)
+                if reason is not None:
+                    stats.metadata[DATAFLOW_MISSING] = reason
+                    if self.on_mismatch is not None:
+                        self.on_mismatch()
             if tree is not None:
                 if options.record_dataflow:
                     stats.edges = find_edges(step_dataflow(tree, by_external_id))
@@ -81,10 +116,12 @@ class KinetoExport:
         return stats
 
 
+RECORD, BORROW = "record", "borrow"  # `KinetoExport.identity` modes
+
+
 _NO_ARGS: dict[str, Any] = {}
 _COUNTED = frozenset({"aten::conv2d", "aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::mul",
                       "aten::add"})  # the ops torch's profiler counts flops for
-_NOT_TENSORS = ("Scalar", "ScalarList", "TensorList", "GenericList", "")
 
 
 def _numel(shape: Any) -> int:
@@ -116,7 +153,7 @@ def flops(name: str, dims: Any, types: Any, concrete: Any) -> int:
             count //= mat1[0]
         return 2 * count * _numel(mat2)
     if name in ("aten::mul", "aten::add"):  # the first argument's elements, when it is a tensor
-        return _numel(dims[0]) if dims and types and types[0] not in _NOT_TENSORS else 0
+        return _numel(dims[0]) if dims and types and types[0] not in NOT_TENSORS else 0
     if name == "aten::conv2d":
         if len(dims) < 7 or len(dims[0]) != 4 or len(dims[1]) != 4 or len(concrete) < 7:
             return 0
@@ -135,13 +172,15 @@ def flops(name: str, dims: Any, types: Any, concrete: Any) -> int:
     return 0
 
 
-def _convert(events: Any, base: int, stats: StepStats, want_ids: bool = False, with_stack: bool = False
+def _convert(events: Any, base: int, stats: StepStats, want_ids: bool = False, with_stack: bool = False,
+             rows_out: list[Row] | None = None, instants_out: list[dict[str, Any]] | None = None
              ) -> dict[int, NodeExecStats]:
     """Turn kineto's exported events (times in microseconds after `base` ns) into NodeExecStats: scopes from
     module spans, phases from autograd and optimizer. With `with_stack`, each op gets its Python call
     stack (`args["stack"]`, outermost frame first) from the Python-function spans enclosing it on its
     thread. With `want_ids`, returns the op nodes by their profiler id (the event tree's link to them: its
-    ops' `correlation_id`, the export's `External id`).
+    ops' `correlation_id`, the export's `External id`). `rows_out`, when given, gets each op and user span as a
+    `Row` in start order; `instants_out` the export's `[memory]` instants (`hookprof.tracing.step_identity`).
     """
     by_external_id: dict[int, NodeExecStats] = {}
     host = stats.device(HOST_DEVICE)
@@ -151,6 +190,8 @@ def _convert(events: Any, base: int, stats: StepStats, want_ids: bool = False, w
     host_activities = _HOST_ACTIVITIES | {"python_function"} if with_stack else _HOST_ACTIVITIES
     for event in events:
         if event.get("ph") != "X":
+            if instants_out is not None and event.get("name") == "[memory]":
+                instants_out.append(event)
             continue
         activity = event.get("cat")
         if activity in host_activities:
@@ -253,6 +294,9 @@ def _convert(events: Any, base: int, stats: StepStats, want_ids: bool = False, w
             None, category, args,
         )
         nodes.append(node)
+        if rows_out is not None and activity in _IDENTITY_ACTIVITIES:
+            rows_out.append(Row(node, fields.get("External id", 0), tid, name, fields.get("Input Dims"),
+                                fields.get("Input type")))
         if activity == "cpu_op":
             if want_ids:
                 by_external_id[fields.get("External id", 0)] = node

@@ -147,6 +147,15 @@ class EventTree:
                 if block is not None:
                     block.free_ns = start
 
+    @classmethod
+    def from_parts(cls, ops: list[tuple[Any, list[Read], frozenset[int]]], allocations: list[Allocation],
+                   blocks: dict[int, Block]) -> EventTree:
+        """A tree made of what its walk would have found, from another source
+        (`hookprof.tracing.step_identity`): ops in start order, allocations in time order, blocks by id."""
+        tree = cls.__new__(cls)
+        tree.ops, tree.allocations, tree.blocks = ops, allocations, blocks
+        return tree
+
     @functools.cached_property
     def held(self) -> dict[int, TensorDescription]:
         """What each allocation held: its earliest read through a view covering all of its bytes, else (the

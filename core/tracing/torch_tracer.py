@@ -17,6 +17,7 @@ import itertools
 import logging
 import os
 import threading
+import uuid
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -28,7 +29,7 @@ from hookprof._runtime.private_dir import PrivateDirectory
 from hookprof.naming import root_label
 from hookprof.run_options import RunOptions, TraceLevel
 from hookprof.step_stats import StepStats
-from hookprof.tracing.kineto_trace import MODULE_PREFIX, KinetoExport
+from hookprof.tracing.kineto_trace import BORROW, MODULE_PREFIX, RECORD, KinetoExport
 from hookprof.tracing.torch_dataflow import event_tree
 from hookprof.tracing.torch_private import (
     export_only_config,
@@ -101,6 +102,38 @@ def _quiet_kineto() -> Iterator[None]:
         os.environ.pop("KINETO_LOG_LEVEL", None)
 
 
+class _Identities:
+    """A fit's tensor identities (`hookprof.tracing.step_identity`): the first traced step that records tensors
+    walks torch's event tree and leaves its identities for the next ones, which record only kineto's export and
+    borrow them; a step whose ops differ gets no arrows, and the next traced step walks the tree again. After
+    `GIVE_UP` such steps (a model whose ops change from step to step) every step walks its own tree."""
+
+    GIVE_UP = 3
+
+    def __init__(self) -> None:
+        self.token = uuid.uuid4().hex
+        self.recorded = False  # a step's identities were exported for the next ones
+        self.mismatches = 0
+        self._lock = threading.Lock()  # (mismatches are told from the render thread)
+
+    def mode(self) -> str | None:
+        with self._lock:
+            if self.mismatches >= self.GIVE_UP:
+                return None
+            return BORROW if self.recorded else RECORD
+
+    def record(self) -> None:
+        """A step's identities were exported: the next traced steps borrow them."""
+        with self._lock:
+            self.recorded = True
+
+    def mismatch(self) -> None:
+        """A step's borrowed identities did not fit it: the next traced step walks its tree again."""
+        with self._lock:
+            self.recorded = False
+            self.mismatches += 1
+
+
 class TorchTracer(Tracer):
     """Traces one step with torch's profiler (CPU ops, plus CUDA kernels when CUDA is available).
 
@@ -116,6 +149,11 @@ class TorchTracer(Tracer):
         self._prof: Any = None
         self._scopes: _ModuleScopes | None = None
         self._options = RunOptions()
+        self._identities: _Identities | None = None
+        self._identity: tuple[str, str] | None = None
+
+    def bind_fit(self, state: dict[str, Any]) -> None:
+        self._identities = state.setdefault("torch_identities", _Identities())
 
     def start(self, options: RunOptions) -> None:
         from torch.autograd import profiler as autograd_profiler
@@ -135,7 +173,13 @@ class TorchTracer(Tracer):
         # A step that needs only kineto's export stops cheaper when torch builds nothing for Python (the event
         # tree is what dataflow and memory read; torch refuses the option with Python stacks). CUDA steps keep
         # the full stop until kernels in such an export are checked on a GPU.
-        export_only = None if options.records_tensors or options.with_stack or use_cuda else export_only_config()
+        # A step that borrows its tensor identities from an earlier one needs only the export too (its memory
+        # instants included). CUDA steps, and steps with Python stacks, walk their own tree.
+        identities = self._identities if options.records_tensors and not (use_cuda or options.with_stack) else None
+        mode = identities.mode() if identities is not None else None
+        self._identity = None if mode is None else (mode, identities.token)
+        cheap = not options.records_tensors or mode == BORROW
+        export_only = export_only_config() if cheap and not (options.with_stack or use_cuda) else None
         prof = autograd_profiler.profile(
             use_device="cuda" if use_cuda else None,
             record_shapes=full or options.record_dataflow,
@@ -177,7 +221,7 @@ class TorchTracer(Tracer):
 
     def stop_recording(self) -> _Recording:
         """Stop torch's profiler now; the conversion of its events (the costly part) is left to the caller."""
-        return _Recording(self._close(), self._options)
+        return _Recording(self._close(), self._options, self._identity, self._identities)
 
 
 class _Recording:
@@ -185,9 +229,12 @@ class _Recording:
     result allows once) for conversion anywhere, the render worker included; calling the recording converts
     them here. Safe to call from several threads: the export is made once, under a lock."""
 
-    def __init__(self, results: Any, options: RunOptions) -> None:
+    def __init__(self, results: Any, options: RunOptions, identity: tuple[str, str] | None = None,
+                 identities: _Identities | None = None) -> None:
         self._results = results
         self._options = options
+        self._identity = identity
+        self._identities = identities
         self._exported: KinetoExport | None = None
         self._lock = threading.Lock()
 
@@ -208,12 +255,19 @@ class _Recording:
                     raise OSError(errno.EIO, "kineto could not write the step's export", path)
                 with paused_gc():
                     # (None where this torch has no event tree)
-                    tree = event_tree(results) if options.records_tensors else None
+                    walk = options.records_tensors and (self._identity is None or self._identity[0] == RECORD)
+                    tree = event_tree(results) if walk else None
             except BaseException:
                 _remove(path)
                 _remove(path + ".tmp")  # (kineto writes there first, and leaves it when the disk fills)
                 raise
-            exported = KinetoExport(path, results.trace_start_ns(), options, str(torch.__version__), tree)
+            identity, identities = self._identity, self._identities
+            if identity is not None and identity[0] == RECORD and tree is None:
+                identity = None  # (this torch has no tree to record)
+            exported = KinetoExport(path, results.trace_start_ns(), options, str(torch.__version__), tree, identity,
+                                    identities.mismatch if identity is not None and identity[0] == BORROW else None)
+            if identity is not None and identity[0] == RECORD:
+                identities.record()
             weakref.finalize(exported, _remove_own, path, os.getpid())
             self._exported, self._results = exported, None  # (kineto's copy is freed now)
             return exported

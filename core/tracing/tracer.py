@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Callable
+from typing import Any
 
 from hookprof.run_options import RunOptions
 from hookprof.step_stats import StepStats
@@ -31,6 +32,12 @@ class Tracer(abc.ABC):
     @abc.abstractmethod
     def abort(self) -> None:
         """End recording after a failed step, dropping the data; must leave nothing running."""
+
+    def bind_fit(self, state: dict[str, Any]) -> None:
+        """Called before `start` with a dict the fit's coordinator keeps from one traced step to the next (a new
+        one for each run): where a tracer keeps what a traced step leaves for the fit's later ones. By default
+        nothing is kept."""
+        return None
 
     def stop_recording(self) -> Callable[[], StepStats]:
         """End recording now and return what converts the recording into `StepStats`, which may run later,

@@ -1,0 +1,105 @@
+"""Tensor identities borrowed from an earlier traced step (`hookprof.tracing.step_identity`), in real Lightning fits:
+the same arrows and memory objects as the step's own event tree, and none, with the reason, where the ops differ."""
+
+import dataclasses
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from hookprof.run_options import RunOptions, TraceLevel
+from hookprof.trace import format as fmt
+from hookprof.tracing.kineto_trace import BORROW
+from hookprof.tracing.step_identity import DATAFLOW_MISSING
+from hookprof.tracing.torch_tracer import TorchTracer
+from lightning_prof import ProfilerHook
+from tests.conftest import load_trace
+from tests.lightning_models import TinyModel, loader, trainer
+
+TENSORS = RunOptions(trace_level=TraceLevel.FULL_TRACE, record_dataflow=True, record_memory=True)
+
+
+class AdamModel(TinyModel):
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=0.01)  # (state made at the first step: its ops differ)
+
+
+class BothPaths(L.Callback):
+    """Traces every step with its own tree walk (and a template of it), and converts each step's export again
+    with the previous step's identities borrowed: (step, the tree's stats, the borrowed stats)."""
+
+    def __init__(self):
+        self.steps = []
+        self._previous = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.tracer = TorchTracer(pl_module)
+        self.tracer.bind_fit({})  # a fit of its own each step: every step walks its tree
+        self.tracer.start(TENSORS)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        exported = self.tracer.stop_recording().export()
+        walked = exported.to_stats()
+        if self._previous is not None:
+            borrowed = dataclasses.replace(exported, tree=None, identity=(BORROW, self._previous.identity[1]))
+            self.steps.append((trainer.global_step, walked, borrowed.to_stats()))
+        self._previous = exported
+
+
+def edges(stats):
+    return sorted((e.producer.node_name, e.consumer.node_name, e.name, e.tensor) for e in stats.edges)
+
+
+def memory(stats):
+    """The allocations (their ids aside: each path numbers its own) and the allocator's samples."""
+    allocations = sorted((a.alloc_ns, a.free_ns, a.nbytes, a.device, a.producer and a.producer.node_name,
+                          str(a.tensor)) for a in stats.allocations)
+    return allocations, [dataclasses.astuple(s) for s in stats.memory_samples]
+
+
+def outputs(stats):
+    return sorted((node.node_name, str(node.outputs)) for node in stats.all_nodes())
+
+
+def test_borrowed_identities_give_the_tree_walks_arrows_and_memory_on_the_same_step(tmp_dir):
+    for model in (TinyModel(), AdamModel()):
+        paths = BothPaths()
+        L.Trainer(max_steps=4, callbacks=[paths], logger=False, enable_checkpointing=False, default_root_dir=tmp_dir,
+                  enable_progress_bar=False, enable_model_summary=False, accelerator="cpu").fit(model, loader())
+        first, *later = paths.steps
+        # the first step's ops (Lightning's first batch; Adam's state) differ: nothing borrowed, and why
+        assert first[2].edges == [] and first[2].allocations == []
+        assert "ops differ" in first[2].metadata[DATAFLOW_MISSING]
+        assert len(later) == 2
+        for step, walked, borrowed in later:
+            assert DATAFLOW_MISSING not in borrowed.metadata, step
+            assert len(walked.edges) > 40 and len(walked.allocations) > 20
+            assert edges(borrowed) == edges(walked), (type(model).__name__, step)
+            assert memory(borrowed) == memory(walked), (type(model).__name__, step)
+            assert outputs(borrowed) == outputs(walked), (type(model).__name__, step)
+
+
+def test_a_step_whose_ops_differ_gets_no_arrows_and_its_timeline_says_why(tmp_dir):
+    """Steps traced one after another borrow the first one's identities; the step with a smaller batch cannot:
+    its timeline has ops but no arrows and no memory objects, and its metadata says why."""
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(44, 8, generator=g), torch.randn(44, 1, generator=g))
+    batches = [list(range(i, i + 8)) for i in range(0, 24, 8)] + [[24, 25, 26, 27]] + \
+        [list(range(i, i + 8)) for i in range(28, 44, 8)]  # the 4th batch is short
+    hook = ProfilerHook(save_steps=1, output_dir=tmp_dir, show_memory=True)
+    trainer(tmp_dir, [hook], len(batches)).fit(TinyModel(), DataLoader(data, batch_sampler=batches))
+    timelines = {int(path.rsplit("-", 1)[1].split(".")[0]): load_trace(path) for path in hook.saved_paths}
+    assert sorted(timelines) == [2, 3, 4, 5, 6]  # (the first step only starts the count)
+    for step, trace in timelines.items():
+        events = trace["traceEvents"]
+        flows = [e for e in events if e["ph"] == "s"]
+        objects = [e for e in events if e.get("cat") == fmt.CAT_TENSOR]
+        assert any(e["ph"] == "X" and e["cat"] == "Op" for e in events), step
+        if step == 4:  # the short batch
+            assert flows == [] and objects == []
+            assert "differs from the step its tensor identities were taken from" in \
+                trace["metadata"][DATAFLOW_MISSING]
+            assert "[4, 8]" in trace["metadata"][DATAFLOW_MISSING]  # the shapes that differ
+        else:
+            assert len(flows) > 20 and objects, step
+            assert DATAFLOW_MISSING not in trace["metadata"], step
