@@ -327,3 +327,20 @@ def test_a_seconds_checkpoint_saves_on_every_rank_when_any_is_due(tmp_path):
     run_steps(driver, session, 3)
     assert [p.rsplit("-", 1)[1] for p in saved] == ["0", "2"]  # this rank's clock never moved
     assert agree.calls == [[False, False]] * 3
+
+
+def test_a_seconds_trace_the_other_rank_asks_for_traces_that_one_step_only(tmp_path):
+    """The ranks agree to trace the step after the other rank's clock fired: one timeline, then the schedule
+    goes on (the agreed flag stayed set and every later step was traced)."""
+    from hookprof import ProfilerHook
+    from tests.conftest import FakeClock
+
+    hook = ProfilerHook(save_secs=1000, output_dir=str(tmp_path), tensorboard=False, clock=FakeClock())
+    agree = OtherRank(lambda call: [False, True, False] if call == 2 else None)  # the other rank's clock: call 2
+    session = ManualSession(rank=0, world_size=2, agree=agree)
+    driver = HookedSession([hook], HostTracer, StepTraceCoordinator())
+    driver.begin()
+    driver.after_create_session(session)
+    run_steps(driver, session, 8)
+    driver.end(session)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["timeline-3-rank0.json"]

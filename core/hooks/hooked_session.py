@@ -286,7 +286,7 @@ class HookedSession:
         worker process and what else registered with the fit's run (a JAX compile listener). What fits share
         (the background threads, the render worker) is stopped by the last fit open to end: a fit in another
         thread goes on writing. Safe to call twice; `end()` and `close()` call it."""
-        self._context = self._pending_trace = self._session = None
+        self._context = self._pending_trace = self._session = self._ballot = None  # (the ballot's agree: the session's)
         self._fetches = {}
         abort_running_step(self._traces)
         run, self._run = self._run, None

@@ -123,6 +123,8 @@ class AgreedTimer:
         return self.due
 
     def update_last_triggered_step(self, step: int) -> tuple[float | None, int | None]:
+        self.due = False  # (the agreed fire happened: the next needs a new agreement, which the ballot makes only
+        # on steps some rank votes True)
         return self.own.update_last_triggered_step(step)
 
     def last_triggered_step(self) -> int | None:
