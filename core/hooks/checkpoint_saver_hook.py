@@ -206,7 +206,8 @@ class CheckpointSaverHook(PeriodicHook):
             self._save(session, step)  # (TF ignores a listener's stop request here)
 
     def quiet_on(self, global_step: int) -> bool:
-        return not self._timer.should_trigger_for_step(global_step + self._run_steps()) or self._agreeing
+        return self._agreeing or not self._timer.should_trigger_for_step(
+            global_step + getattr(self._session, "steps_per_run", 1))  # (steps_per_run, without its call: every step)
 
     def after_run(self, run_context, run_values) -> None:
         if not self._agreeing:

@@ -65,9 +65,9 @@ class StopAtStepHook(SessionRunHook):
 
     def quiet_on(self, global_step: int) -> bool:
         # TF's after_run looks at the real global step only when the stale one plus the steps a run advances
-        # (TF's steps_per_run: Keras' steps_per_execution) reaches the last step
+        # (TF's steps_per_run: Keras' steps_per_execution) reaches the last step; read inline: every step
         last = self._last_step
-        return last is not None and global_step + steps_per_run(self._session) < last
+        return last is not None and global_step + getattr(self._session, "steps_per_run", 1) < last
 
     def end(self, session: Any) -> None:
         self.close()

@@ -112,7 +112,8 @@ class SummarySaverHook(PeriodicHook):
     def quiet_on(self, global_step: int) -> bool:
         timer = self._timer
         return not (self._sink is not None and self._writes_here and (
-            timer.last_triggered_step() is None or timer.should_trigger_for_step(global_step + self._run_steps())))
+            timer.last_triggered_step() is None or timer.should_trigger_for_step(
+                global_step + getattr(self._session, "steps_per_run", 1))))  # (steps_per_run, inline: every step)
 
     def before_run(self, run_context) -> SessionRunArgs | None:
         self._request = self._due = not self.quiet_on(run_context.session.global_step)

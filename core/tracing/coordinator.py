@@ -185,13 +185,14 @@ class StepTraceCoordinator:
     def micro_batch(self) -> None:
         """Another micro-batch of the running step begins now (gradient accumulation: one optimizer step over
         several batches): its forward, backward, ... are marked again, after the previous one's."""
-        now = time.time_ns()
-        current = self._current
-        if current is not None and current.metadata is None:
-            current.marks.append((MICRO_BATCH, now))
-        record = self._record
-        if record is not None:
-            record.marks.append((MICRO_BATCH, now))
+        current, record = self._current, self._record
+        tracing = current is not None and current.metadata is None
+        if tracing or record is not None:  # (free when nothing traces or watches)
+            now = time.time_ns()
+            if tracing:
+                current.marks.append((MICRO_BATCH, now))
+            if record is not None:
+                record.marks.append((MICRO_BATCH, now))
 
     def finish(self, key: Hashable) -> RunMetadata | None:
         """Stop the trace of step `key` (if it still runs) and return its metadata; None if it was not traced."""
@@ -206,6 +207,7 @@ class StepTraceCoordinator:
         if current is None or current.key != key:
             return None
         if current.metadata is None:
+            _TRACING.discard(self)  # (stopped here, whatever follows: nothing left for the exit to abort)
             try:
                 recording = current.tracer.stop_recording()
             except Exception:  # a tracer bug costs this trace, never the training run

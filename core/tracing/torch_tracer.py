@@ -153,7 +153,10 @@ class TorchTracer(Tracer):
         self._identity: tuple[str, str] | None = None
 
     def bind_fit(self, state: dict[str, Any]) -> None:
-        self._identities = state.setdefault("torch_identities", _Identities())
+        identities = state.get("torch_identities")
+        if identities is None:  # (the fit's first traced step: a uuid and a lock made once, not every step)
+            identities = state["torch_identities"] = _Identities()
+        self._identities = identities
 
     def start(self, options: RunOptions) -> None:
         from torch.autograd import profiler as autograd_profiler
