@@ -25,6 +25,8 @@ from typing import Any
 
 import numpy as np
 
+from hookprof._runtime.values import backend_value
+
 log = logging.getLogger(__name__)
 
 SUMMARIES = "summaries"  # tf.GraphKeys.SUMMARIES
@@ -36,13 +38,9 @@ class SummaryError(ValueError):
 
 
 def to_numpy(value: Any) -> np.ndarray:
-    """A host numpy array from a torch tensor (detached, moved to CPU), keras/JAX/TF array, or Python value.
-
-    A Keras variable is read through its backend tensor: on torch, `numpy.asarray` of it (and Keras'
-    `convert_to_numpy`) calls torch's `__array__`, which takes no `copy` argument and so raises numpy 2's
-    DeprecationWarning in the user's fit."""
-    if type(value).__module__.partition(".")[0] == "keras" and hasattr(value, "value"):
-        value = value.value
+    """A host numpy array from a torch tensor (detached, moved to CPU), keras/JAX/TF array, or Python value (a
+    Keras variable read through its backend tensor: `hookprof._runtime.values.backend_value`)."""
+    value = backend_value(value)
     if hasattr(value, "detach"):  # torch
         value = value.detach()
         if hasattr(value, "cpu"):

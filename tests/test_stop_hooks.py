@@ -431,3 +431,18 @@ def test_keras_final_ops_after_fit():
     assert values["step"] == 12
     assert float(values["loss"]) == pytest.approx(history.history["loss"][-1], rel=1e-5)
     np.testing.assert_array_equal(values["kernel"], keras.ops.convert_to_numpy(m.get_layer("fc1").kernel))
+
+
+@pytest.mark.filterwarnings("error::DeprecationWarning")
+def test_a_keras_variable_is_checked_for_nan_without_numpys_copy_warning():
+    """NanTensorHook and the NonFinite trigger read a Keras variable through its backend tensor, as summaries
+    do: numpy.asarray of it warned (numpy 2, torch's __array__ without `copy`), an error under -W error."""
+    import keras
+    import numpy as np
+
+    from hookprof._runtime.values import is_nan, is_non_finite
+
+    variable = keras.Variable(np.ones((2, 2), "float32"))
+    assert not is_nan(variable) and not is_non_finite(variable, "NonFinite", "fetch")
+    variable.assign(np.full((2, 2), np.inf, "float32"))
+    assert not is_nan(variable) and is_non_finite(variable, "NonFinite", "fetch")

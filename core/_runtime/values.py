@@ -9,6 +9,15 @@ from typing import Any
 import numpy as np
 
 
+def backend_value(value: Any) -> Any:
+    """A Keras variable as its backend tensor (anything else as it is): on torch, `numpy.asarray` of the variable
+    (and Keras' `convert_to_numpy`) calls torch's `__array__`, which takes no `copy` argument and so raises numpy
+    2's DeprecationWarning in the user's fit."""
+    if type(value).__module__.partition(".")[0] == "keras" and hasattr(value, "value"):
+        return value.value
+    return value
+
+
 def is_nan(value: Any) -> bool:
     """Whether a loss value is NaN (any element, for a non-scalar). Python numbers are read as they are;
     a torch tensor (Keras' torch backend included) is checked where it lives and one bool comes to the host;
@@ -24,6 +33,7 @@ def is_non_finite(value: Any, owner: str, argument: str) -> bool:
 
 def _any_element(value: Any, finite: bool, owner: str, argument: str) -> bool:
     """Whether any element is NaN (`finite=False`), or NaN or infinite (`finite=True`)."""
+    value = backend_value(value)
     if isinstance(value, (bool, int)):
         return False
     if isinstance(value, float):
