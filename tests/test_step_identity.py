@@ -103,3 +103,20 @@ def test_a_step_whose_ops_differ_gets_no_arrows_and_its_timeline_says_why(tmp_di
         else:
             assert len(flows) > 20 and objects, step
             assert DATAFLOW_MISSING not in trace["metadata"], step
+
+
+def test_a_step_to_borrow_from_that_was_converted_elsewhere_does_not_count_toward_giving_up():
+    """A restarted render worker has no template: the next traced step walks its tree again, but only steps
+    whose ops differed count toward GIVE_UP (three restarts turned borrowing off for the rest of the fit)."""
+    from hookprof.tracing.kineto_trace import BORROW, NO_TEMPLATE, RECORD
+    from hookprof.tracing.torch_tracer import _Identities
+
+    identities = _Identities()
+    for _ in range(_Identities.GIVE_UP + 1):
+        identities.record()
+        assert identities.mode() == BORROW
+        identities.mismatch(NO_TEMPLATE)
+        assert identities.mode() == RECORD
+    for _ in range(_Identities.GIVE_UP):
+        identities.mismatch("op 7 differs")
+    assert identities.mode() is None

@@ -476,7 +476,7 @@ class CapturePipeline:
             self._slowest_render = max(self._slowest_render, time.monotonic() - started)
             on_mismatch = getattr(exported, "on_mismatch", None)  # (the worker's copy of the step has none)
             if rendered.dataflow_missing is not None and on_mismatch is not None:
-                on_mismatch()
+                on_mismatch(rendered.dataflow_missing)
             return rendered
         except worker.WorkerFailed as err:
             count_dropped(self._counts)

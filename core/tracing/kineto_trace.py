@@ -74,7 +74,7 @@ class KinetoExport:
     # from the fit's last such step (`hookprof.tracing.step_identity`); None: neither
     identity: tuple[str, str] | None = None
     # in the training process only (not pickled): told when borrowed identities did not fit this step
-    on_mismatch: Callable[[], None] | None = dataclasses.field(default=None, compare=False, repr=False)
+    on_mismatch: Callable[[str], None] | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "on_mismatch": None}
@@ -100,14 +100,13 @@ class KinetoExport:
             elif mode == BORROW:
                 template = TEMPLATES.recall(token)
                 if template is None:
-                    reason = ("the step its tensor identities were to be taken from was not converted here (a "
-                              "restarted render worker, or a failed conversion)")
+                    reason = NO_TEMPLATE
                 else:
                     tree, reason = apply_template(template, rows, instants, base)
                 if reason is not None:
                     stats.metadata[DATAFLOW_MISSING] = reason
                     if self.on_mismatch is not None:
-                        self.on_mismatch()
+                        self.on_mismatch(reason)
             if tree is not None:
                 if options.record_dataflow:
                     stats.edges = find_edges(step_dataflow(tree, by_external_id))
@@ -117,6 +116,9 @@ class KinetoExport:
 
 
 RECORD, BORROW = "record", "borrow"  # `KinetoExport.identity` modes
+# why a borrowing step has no arrows when the step to borrow from was converted elsewhere: not its ops' fault
+NO_TEMPLATE = ("the step its tensor identities were to be taken from was not converted here (a restarted render "
+               "worker, or a failed conversion)")
 
 
 _NO_ARGS: dict[str, Any] = {}

@@ -29,7 +29,7 @@ from hookprof._runtime.private_dir import PrivateDirectory
 from hookprof.naming import root_label
 from hookprof.run_options import RunOptions, TraceLevel
 from hookprof.step_stats import StepStats
-from hookprof.tracing.kineto_trace import BORROW, MODULE_PREFIX, RECORD, KinetoExport
+from hookprof.tracing.kineto_trace import BORROW, MODULE_PREFIX, NO_TEMPLATE, RECORD, KinetoExport
 from hookprof.tracing.torch_dataflow import event_tree
 from hookprof.tracing.torch_private import (
     export_only_config,
@@ -127,11 +127,12 @@ class _Identities:
         with self._lock:
             self.recorded = True
 
-    def mismatch(self) -> None:
-        """A step's borrowed identities did not fit it: the next traced step walks its tree again."""
+    def mismatch(self, reason: str) -> None:
+        """A step could not borrow (`reason`): the next traced step walks its tree again. Only ops that differed
+        count toward `GIVE_UP`; a step to borrow from converted elsewhere (a restarted worker) does not."""
         with self._lock:
             self.recorded = False
-            self.mismatches += 1
+            self.mismatches += reason != NO_TEMPLATE
 
 
 class TorchTracer(Tracer):
