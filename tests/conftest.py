@@ -17,12 +17,12 @@ from hookprof.trace.reader import load_trace  # noqa: F401  (tests read traces t
 # `real_client` when it drives a tool or system facility outside Python (Chromium, go tool pprof, a tensorboard
 # server, a tmpfs/ext4/FUSE mount, a PID namespace, a CUDA device), else `integration` when it runs a real
 # Lightning or Keras fit or a child Python process (a script, the CLI), else `unit`. Read from the source of
-# each test and of its fixtures; a test marked with a tier itself keeps it.
+# each test and of its fixtures (a helper it calls is known by name below); a test marked with a tier keeps it.
 TIERS = ("unit", "integration", "real_client")
 _REAL_CLIENT = re.compile(r"CHROMIUM|chromium|go_pprof|\bgo tool\b|which\(\"go\"\)|tensorboard_server|"
                           r"serve_tensorboard|\"--logdir\"|Tmpfs|mounted\(|\bext4\b|slow_fs|SlowFs|unshare")
 _REAL_FIT = re.compile(r"\bfit\(|\.fit\(|\w+_fit\(|\bfit_\w+\(|\btrainer\(|Trainer\(|run_fit|ddp_run|"
-                       r"keras_jax_fit|sys\.executable")
+                       r"keras_jax_fit|sys\.executable|subprocess\.|Popen|run_cli|run_child|run_without|profiled_fit|fit_and_")
 
 
 def _source(function) -> str:
