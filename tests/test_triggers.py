@@ -338,10 +338,20 @@ def test_a_step_without_the_fetched_value_leaves_the_run_alone(tmp_path, caplog)
 
 
 def test_hooks_that_differ_only_in_their_triggers_are_two_checkpoint_states_by_name(tmp_path):
+    """Triggers are not part of the key (a short key of the schedule): two hooks that differ only in them
+    are one key, refused before training (by Lightning, naming state_key), until each has its `name=`."""
     from lightning_prof import ProfilerHook
 
-    a = ProfilerHook(triggers=[SlowStep(factor=3.0)], output_dir=str(tmp_path), tensorboard=False, name="a")
-    b = ProfilerHook(triggers=[SlowStep(factor=5.0)], output_dir=str(tmp_path), tensorboard=False, name="b")
-    c = ProfilerHook(triggers=[SlowStep(factor=3.0)], output_dir=str(tmp_path), tensorboard=False, name="a")
+    def hook(factor, name=None):
+        return ProfilerHook(triggers=[SlowStep(factor=factor)], output_dir=str(tmp_path), tensorboard=False,
+                            name=name)
+
+    unnamed = [hook(3.0), hook(5.0)]
+    assert unnamed[0].state_key == unnamed[1].state_key
+    with pytest.raises(RuntimeError, match="state_key` must be unique"):
+        trainer(str(tmp_path), unnamed, max_steps=1, logger=False)
+    a, b, c = hook(3.0, "a"), hook(5.0, "b"), hook(3.0, "a")
     assert a.state_key != b.state_key and a.state_key == c.state_key
-    trainer(str(tmp_path), [a, b], max_steps=1, logger=False)  # Lightning refuses two callbacks of one key
+    fit = trainer(str(tmp_path), [a, b], max_steps=1, logger=False)
+    fit.fit(Healthy(0), loader(n=8, batch_size=8))
+    assert fit.global_step == 1
