@@ -118,6 +118,32 @@ def test_each_traced_step_is_a_profile_run_beside_the_fits_tensorboard_data(tmp_
     assert rows and all(row.stats[xplane.GROUP_ID] == 2 for row in rows)  # every event in the step, 0 or not
 
 
+def test_the_hand_encoded_xspace_is_what_protobuf_itself_writes_for_the_same_message():
+    """`step_xspace` writes protobuf's wire format by hand: parsed by protobuf and written again by it (fields
+    in number order), a real traced step with memory comes back byte for byte."""
+    import torch
+
+    from hookprof.run_options import RunOptions, TraceLevel
+    from hookprof.tracing.torch_tracer import TorchTracer
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    tracer = TorchTracer(model)
+    tracer.start(RunOptions(trace_level=TraceLevel.FULL_TRACE, record_dataflow=True, record_memory=True))
+    model(torch.randn(4, 8)).sum().backward()
+    stats = tracer.stop()
+    stats.step = 0  # group_id 0 must be written (a oneof)
+    data = xplane.step_xspace(stats, "host")
+    space = xspace.parse_xspace(data)
+    assert space.SerializeToString(deterministic=True) == data
+    names = {entry.key: entry.value.name for entry in space.planes[0].event_metadata}
+    kinds = collections.Counter(names[e.metadata_id] for line in space.planes[0].lines for e in line.events)
+    assert kinds[xplane.MEMORY_ALLOCATION] > 0 and kinds["aten::addmm"] == 0  # ops carry their scope
+    assert any(name.endswith("/aten::addmm") for name in kinds)
+    for value in (0, 1, 127, 128, 2**14 - 1, 2**14, 2**21, 2**28, 2**42 - 1, 2**42, 2**63 - 1, -1, -2**63):
+        stat = xplane.message("XStat")(metadata_id=1, int64_value=value)
+        assert xplane._sub(4, stat.SerializeToString()) == xplane._Plane(1, "p").stat("x", value)
+
+
 def test_keep_last_removes_old_profile_runs_with_what_xprof_cached_and_a_refit_never_rewrites_one(tmp_dir):
     out = os.path.join(tmp_dir, "prof")
     hook = ProfilerHook(save_steps=1, output_dir=out, keep_last=1)
