@@ -21,6 +21,7 @@ import re
 from typing import Any
 
 from hookprof._runtime.gc_pause import paused_gc
+from hookprof._runtime.wire import CONTINUED, SIZES, delimited, int_field, str_field, varint
 from hookprof.step_stats import KernelsOf, StepStats
 from hookprof.trace import format as fmt
 
@@ -55,53 +56,17 @@ def tf_device(device: str) -> str:
     return f"{_TF_DEVICE_PREFIX}{kind}:{int(index) if index.isdigit() else 0}"
 
 
-# --- protobuf's wire format: a field is its tag (number << 3 | wire type) then a varint or a length and bytes ---
-_SMALL = [bytes((i,)) for i in range(128)]
-_CONTINUED = [bytes((i | 0x80,)) for i in range(128)]  # a varint's low 7 bits, more to come
 _UINT32_MAX = 0xFFFFFFFF
-
-
-def _varint(value: int) -> bytes:
-    """An integer as a base-128 varint; a negative int64 as protobuf writes it (ten bytes, two's complement)."""
-    if 0 <= value < 128:
-        return _SMALL[value]
-    if 0 < value < 16384:
-        return bytes((value & 0x7F | 0x80, value >> 7))
-    value &= 0xFFFFFFFFFFFFFFFF
-    out = bytearray()
-    while value > 0x7F:
-        out.append(value & 0x7F | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
-_SIZES = [_varint(size) for size in range(2048)]  # the lengths of most encoded nodes
-
-
-def _len(tag: bytes, payload: bytes) -> bytes:
-    """A length-delimited field (string, bytes, message) with its payload."""
-    return tag + _varint(len(payload)) + payload
-
-
-def _int(tag: bytes, value: int) -> bytes:
-    """A varint field; proto3 leaves out zero."""
-    return tag + _varint(value) if value else b""
-
-
-def _str(tag: bytes, text: str) -> bytes:
-    """A string field; proto3 leaves out the empty string."""
-    return _len(tag, text.encode()) if text else b""
 
 
 def _str_bytes(tag: bytes, data: bytes) -> bytes:
     """An encoded string field; proto3 leaves out the empty string."""
-    return _len(tag, data) if data else b""
+    return delimited(tag, data) if data else b""
 
 
 def _shape(shape: tuple[int, ...]) -> bytes:
     """A `TensorShapeProto` (dim = 2: `Dim`, size = 1)."""
-    return b"".join(_len(b"\x12", _int(b"\x08", int(d))) for d in shape)
+    return b"".join(delimited(b"\x12", int_field(b"\x08", int(d))) for d in shape)
 
 
 class _Signatures:
@@ -111,7 +76,7 @@ class _Signatures:
 
     def __init__(self, device: bytes) -> None:
         self.device = device
-        self.device_field = _len(b"\x22", device) if device else b""  # NodeDef.device (4)
+        self.device_field = delimited(b"\x22", device) if device else b""  # NodeDef.device (4)
         self.fields: dict[tuple, tuple[bytes, bytes, bytes, bytes]] = {}
         self.durations: dict[int, bytes] = {}
         self.outputs: dict[tuple, bytes] = {}
@@ -120,16 +85,16 @@ class _Signatures:
         """(NodeDef.op (2); NodeDef.device (4) and attr (5); NodeExecStats.output (7); its timeline_label (8)
         and thread_id (10)) for a signature `(op, phase, output key or None, thread id)`."""
         op, phase, key, thread_id = signature
-        value = _len(b"\x12", phase.encode())  # AttrValue.s (2), set even when empty
-        attrs = _len(b"\x2a", _len(b"\x0a", b"phase") + _len(b"\x12", value))
+        value = delimited(b"\x12", phase.encode())  # AttrValue.s (2), set even when empty
+        attrs = delimited(b"\x2a", delimited(b"\x0a", b"phase") + delimited(b"\x12", value))
         if key:  # AttrValue.list (1): ListValue.shape (7)
-            value = _len(b"\x0a", b"".join(_len(b"\x3a", _shape(shape)) for _, shape, _ in key))
-            attrs += _len(b"\x2a", _len(b"\x0a", b"_output_shapes") + _len(b"\x12", value))
+            value = delimited(b"\x0a", b"".join(delimited(b"\x3a", _shape(shape)) for _, shape, _ in key))
+            attrs += delimited(b"\x2a", delimited(b"\x0a", b"_output_shapes") + delimited(b"\x12", value))
         if not 0 <= thread_id <= _UINT32_MAX:
             raise ValueError(f"thread_id {thread_id} of an {op!r} op is not a uint32 (NodeExecStats.thread_id)")
-        fields = self.fields[signature] = (_str(b"\x12", op), self.device_field + attrs,
+        fields = self.fields[signature] = (str_field(b"\x12", op), self.device_field + attrs,
                                            self.node_outputs(key) if key else b"",
-                                           _str(b"\x42", op) + _int(b"\x50", thread_id))
+                                           str_field(b"\x42", op) + int_field(b"\x50", thread_id))
         return fields
 
     def node_outputs(self, key: tuple) -> bytes:
@@ -137,18 +102,18 @@ class _Signatures:
         shape (2), allocation_description (4): AllocationDescription requested_bytes (1), allocator_name (3)."""
         entry = self.outputs.get(key)
         if entry is None:
-            allocator = _str(b"\x1a", self.device.decode())
+            allocator = str_field(b"\x1a", self.device.decode())
             parts = []
             for slot, (dtype, shape, nbytes) in enumerate(key):
-                description = _int(b"\x08", _DTYPES.get(dtype, 0)) + _len(b"\x12", _shape(shape)) + \
-                    _len(b"\x22", _int(b"\x08", nbytes or 0) + allocator)
-                parts.append(_len(b"\x3a", _int(b"\x08", slot) + _len(b"\x1a", description)))
+                description = int_field(b"\x08", _DTYPES.get(dtype, 0)) + delimited(b"\x12", _shape(shape)) + \
+                    delimited(b"\x22", int_field(b"\x08", nbytes or 0) + allocator)
+                parts.append(delimited(b"\x3a", int_field(b"\x08", slot) + delimited(b"\x1a", description)))
             entry = self.outputs[key] = b"".join(parts)
         return entry
 
     def duration(self, micros: int) -> bytes:
         """NodeExecStats.op_end_rel_micros (4) and all_end_rel_micros (5): the op's compute time."""
-        fields = _varint(micros)
+        fields = varint(micros)
         fields = self.durations[micros] = b"\x20%s\x28%s" % (fields, fields)
         return fields
 
@@ -209,13 +174,13 @@ def _graph_and_run_metadata(stats: StepStats) -> tuple[bytes, bytes]:
         slot = edge.name.rsplit(":", 1)[-1]
         source = name_of(edge.producer)
         inputs.setdefault(id(edge.consumer), []).append(
-            _len(b"\x1a", source if slot == "0" else b"%s:%s" % (source, slot.encode())))
+            delimited(b"\x1a", source if slot == "0" else b"%s:%s" % (source, slot.encode())))
     allocated: dict[int, int] = {}
     for alloc in stats.allocations:
         if alloc.producer is not None:
             allocated[id(alloc.producer)] = allocated.get(id(alloc.producer), 0) + alloc.nbytes
 
-    name_fields, varint, continued, sizes = name_of.fields, _varint, _CONTINUED, _SIZES
+    name_fields, continued, sizes = name_of.fields, CONTINUED, SIZES
     # all_start_micros: microseconds since the epoch, whose bits above the lowest 7 a step's ops share mostly
     starts: dict[int, bytes] = {}
     graph: list[bytes] = []
@@ -228,7 +193,7 @@ def _graph_and_run_metadata(stats: StepStats) -> tuple[bytes, bytes]:
     for dev in stats.dev_stats:
         own = _Signatures(tf_device(dev.device).encode())
         durations, device = own.durations, own.device
-        node_stats: list[bytes] = [_len(b"\x0a", device)] if device else []  # DeviceStepStats.device (1)
+        node_stats: list[bytes] = [delimited(b"\x0a", device)] if device else []  # DeviceStepStats.device (1)
         for node in dev.node_stats:
             if node.category != fmt.CAT_OP:
                 continue
@@ -258,18 +223,18 @@ def _graph_and_run_metadata(stats: StepStats) -> tuple[bytes, bytes]:
                     high = starts[start >> 7] = varint(start >> 7)
                 start_field = b"\x10" + continued[start & 0x7F] + high
             else:
-                start_field = _int(b"\x10", start)
+                start_field = int_field(b"\x10", start)
             nbytes = allocated.get(id(node))
             if nbytes is not None:  # AllocatorMemoryUsed allocator_name (1), total_bytes (2), peak_bytes (3)
-                outputs = _len(b"\x32", _str(b"\x0a", shared.device.decode()) + _int(b"\x10", nbytes) +
-                               _int(b"\x18", nbytes)) + outputs
+                outputs = delimited(b"\x32", str_field(b"\x0a", shared.device.decode()) + int_field(b"\x10", nbytes) +
+                               int_field(b"\x18", nbytes)) + outputs
             fields = b"".join((name_field, start_field, durations.get(micros) or own.duration(micros), outputs,
                                label))
             size = len(fields)
             node_stats.append(b"\x12" + (sizes[size] if size < 2048 else varint(size)) + fields)
-        devices.append(_len(b"\x0a", b"".join(node_stats)))  # StepStats.dev_stats (1)
+        devices.append(delimited(b"\x0a", b"".join(node_stats)))  # StepStats.dev_stats (1)
     # RunMetadata.step_stats (1), set once a device is added
-    run_metadata = _len(b"\x0a", b"".join(devices)) if devices else b""
+    run_metadata = delimited(b"\x0a", b"".join(devices)) if devices else b""
     return b"".join(graph), run_metadata
 
 

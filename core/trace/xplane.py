@@ -32,6 +32,7 @@ from typing import Any
 
 import orjson
 
+from hookprof._runtime.wire import FIXED64, LENGTH_DELIMITED, SIZES, VARINT, delimited, int_field, tag, varint
 from hookprof.step_stats import AllocatorSample, NodeExecStats, StepStats, TensorAllocation
 from hookprof.trace import format as fmt
 
@@ -154,57 +155,21 @@ def message(name: str) -> Any:
     return _CLASSES[name]
 
 
-# Writing: the wire format by hand. Building one protobuf message per event and stat cost ~25 us an event
-# (0.5-0.7 s for a 20k-op step, the largest part of a traced step's render); what nodes alike share (their
-# stats) is encoded once here and each event adds three varints.
-_SMALL = [bytes((i,)) for i in range(128)]
-
-
-def _varint(value: int) -> bytes:
-    """`value` as a protobuf varint (negative int64s as their 64-bit two's complement, as protobuf does).
-    Unrolled to 6 bytes (42 bits: 4.4 s in picoseconds), which covers almost every offset and duration."""
-    if value < 0x4000:
-        if value >= 0x80:
-            return bytes((value & 0x7F | 0x80, value >> 7))
-        if value >= 0:
-            return _SMALL[value]
-        value += 1 << 64
-    if value < 0x200000:
-        return bytes((value & 0x7F | 0x80, value >> 7 & 0x7F | 0x80, value >> 14))
-    if value < 0x10000000:
-        return bytes((value & 0x7F | 0x80, value >> 7 & 0x7F | 0x80, value >> 14 & 0x7F | 0x80, value >> 21))
-    if value < 0x40000000000:
-        out = bytearray((value & 0x7F | 0x80, value >> 7 & 0x7F | 0x80, value >> 14 & 0x7F | 0x80,
-                         value >> 21 & 0x7F | 0x80))
-        value >>= 28
-    else:
-        out = bytearray()
-    while value >= 0x80:
-        out.append(value & 0x7F | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
-def _tag(number: int, wire_type: int) -> bytes:
-    return _varint(number << 3 | wire_type)
-
-
-def _int(number: int, value: int) -> bytes:
-    """A varint field, left out when 0 (proto3's default) unless it is in a `oneof`, which the caller writes."""
-    return _tag(number, 0) + _varint(value) if value else b""
-
-
-def _sub(number: int, payload: bytes) -> bytes:
-    """A length-delimited field: a string, bytes or an embedded message."""
-    return _tag(number, 2) + _varint(len(payload)) + payload
-
-
-_XSTAT_ID, _XSTAT_DOUBLE, _XSTAT_UINT64, _XSTAT_INT64, _XSTAT_REF = (_tag(n, t) for n, t in
-                                                                     ((1, 0), (2, 1), (3, 0), (4, 0), (7, 0)))
-_EVENT_ID, _EVENT_OFFSET, _EVENT_DURATION = _tag(1, 0), _tag(2, 0), _tag(3, 0)
-_EVENT_STAT = 4  # XEvent.stats
-_LINE_EVENT = _tag(4, 2)  # XLine.events
+# Writing: protobuf's wire format by hand (`hookprof._runtime.wire`). Building one protobuf message per event
+# and stat cost ~25 us an event (0.5-0.7 s for a 20k-op step, the largest part of a traced step's render);
+# what nodes alike share (their stats) is encoded once here and each event adds three varints.
+_XSTAT_ID, _XSTAT_DOUBLE, _XSTAT_UINT64, _XSTAT_INT64, _XSTAT_REF = (tag(n, t) for n, t in (
+    (1, VARINT), (2, FIXED64), (3, VARINT), (4, VARINT), (7, VARINT)))
+_EVENT_ID, _EVENT_OFFSET, _EVENT_DURATION = tag(1, VARINT), tag(2, VARINT), tag(3, VARINT)
+_EVENT_STAT = tag(4, LENGTH_DELIMITED)  # XEvent.stats
+_LINE_ID, _LINE_NAME, _LINE_EVENT, _LINE_DISPLAY_ID = (tag(n, t) for n, t in (
+    (1, VARINT), (2, LENGTH_DELIMITED), (4, LENGTH_DELIMITED), (10, VARINT)))
+_PLANE_ID, _PLANE_NAME, _PLANE_LINE, _PLANE_EVENT_METADATA, _PLANE_STAT_METADATA, _PLANE_STAT = (tag(n, t) for n, t in (
+    (1, VARINT), (2, LENGTH_DELIMITED), (3, LENGTH_DELIMITED), (4, LENGTH_DELIMITED), (5, LENGTH_DELIMITED),
+    (6, LENGTH_DELIMITED)))
+_SPACE_PLANE, _SPACE_HOSTNAME = tag(1, LENGTH_DELIMITED), tag(4, LENGTH_DELIMITED)
+# a map entry's key (1) and value (2); the metadata's own id (1) and name (2)
+_KEY, _VALUE, _ID, _NAME = tag(1, VARINT), tag(2, LENGTH_DELIMITED), tag(1, VARINT), tag(2, LENGTH_DELIMITED)
 
 
 class _Plane:
@@ -212,7 +177,7 @@ class _Plane:
     the bytes of an `XEvent.stats` field)."""
 
     def __init__(self, plane_id: int, name: str) -> None:
-        self.head = _int(1, plane_id) + _sub(2, name.encode())
+        self.head = int_field(_PLANE_ID, plane_id) + delimited(_PLANE_NAME, name.encode())
         self.lines: list[bytes] = []
         self.stats: list[bytes] = []
         self._events: dict[str, int] = {}
@@ -231,27 +196,27 @@ class _Plane:
         key = (name, value, type(value))
         found = self._encoded.get(key)
         if found is None:  # a step repeats few: a scope, a phase, an op type, a shape over many events
-            head = _XSTAT_ID + _varint(self.stat_id(name))
+            head = _XSTAT_ID + varint(self.stat_id(name))
             if isinstance(value, str):
-                body = head + _XSTAT_REF + _varint(self.stat_id(value))
+                body = head + _XSTAT_REF + varint(self.stat_id(value))
             elif isinstance(value, float):
                 body = head + _XSTAT_DOUBLE + struct.pack("<d", value)
             else:
-                body = head + _XSTAT_INT64 + _varint(int(value))
-            found = self._encoded[key] = _sub(_EVENT_STAT, body)
+                body = head + _XSTAT_INT64 + varint(int(value))
+            found = self._encoded[key] = delimited(_EVENT_STAT, body)
         return found
 
     def add_line(self, line_id: int, name: str, events: list[bytes]) -> None:
         """A line (`timestamp_ns` 0) of encoded events, each an `XLine.events` field already."""
-        self.lines.append(_sub(3, _int(1, line_id) + _sub(2, name.encode()) + b"".join(events)
-                               + _int(10, line_id)))
+        self.lines.append(delimited(_PLANE_LINE, int_field(_LINE_ID, line_id) + delimited(_LINE_NAME, name.encode())
+                                    + b"".join(events) + int_field(_LINE_DISPLAY_ID, line_id)))
 
     def encode(self) -> bytes:
         """The plane's bytes: its lines, its metadata maps (entries of key 1, value 2), its own stats."""
-        metadata = [_sub(4, _int(1, key) + _sub(2, _int(1, key) + _sub(2, name.encode())))
-                    for name, key in self._events.items()]
-        metadata += [_sub(5, _int(1, key) + _sub(2, _int(1, key) + _sub(2, name.encode())))
-                     for name, key in self._stats.items()]
+        metadata = [delimited(field, int_field(_KEY, key) + delimited(_VALUE, int_field(_ID, key)
+                                                                      + delimited(_NAME, name.encode())))
+                    for field, ids in ((_PLANE_EVENT_METADATA, self._events), (_PLANE_STAT_METADATA, self._stats))
+                    for name, key in ids.items()]
         return self.head + b"".join(self.lines) + b"".join(metadata) + b"".join(self.stats)
 
 
@@ -265,9 +230,10 @@ def _interned(ids: dict[str, int], name: str) -> int:
 
 def _event(metadata_id: int, offset_ps: int, duration_ps: int, stats: bytes) -> bytes:
     """An `XEvent` as an `XLine.events` field (`offset_ps`, of the `data` oneof, written even when 0)."""
-    body = (_EVENT_ID + _varint(metadata_id) + _EVENT_OFFSET + _varint(offset_ps)
-            + (_EVENT_DURATION + _varint(duration_ps) if duration_ps else b"") + stats)
-    return _LINE_EVENT + _varint(len(body)) + body
+    body = (_EVENT_ID + varint(metadata_id) + _EVENT_OFFSET + varint(offset_ps)
+            + (_EVENT_DURATION + varint(duration_ps) if duration_ps else b"") + stats)
+    size = len(body)
+    return _LINE_EVENT + (SIZES[size] if size < 2048 else varint(size)) + body
 
 
 def step_xspace(stats: StepStats, hostname: str) -> bytes:
@@ -316,8 +282,10 @@ def step_xspace(stats: StepStats, hostname: str) -> bytes:
 
     task = _Plane(2, TASK_PLANE)
     for name, value in ((PROFILE_START_TIME, base), (PROFILE_STOP_TIME, end)):
-        task.stats.append(_sub(6, _XSTAT_ID + _varint(task.stat_id(name)) + _XSTAT_UINT64 + _varint(value)))
-    return _sub(1, plane.encode()) + _sub(1, task.encode()) + _sub(4, hostname.encode())
+        stat = _XSTAT_ID + varint(task.stat_id(name)) + _XSTAT_UINT64 + varint(value)
+        task.stats.append(delimited(_PLANE_STAT, stat))
+    return (delimited(_SPACE_PLANE, plane.encode()) + delimited(_SPACE_PLANE, task.encode())
+            + delimited(_SPACE_HOSTNAME, hostname.encode()))
 
 
 def _step_thread(thread_names: dict[int, str]) -> int | None:
