@@ -151,6 +151,8 @@ class StepStats:
     edges: list[Any] = dataclasses.field(default_factory=list)  # DataEdge: producer -> consumer
     allocations: list[TensorAllocation] = dataclasses.field(default_factory=list)
     memory_samples: list[AllocatorSample] = dataclasses.field(default_factory=list)
+    # the tracer's own XSpace of the step, serialized (JAX's profiler), for TensorBoard's Profile tab as it came
+    native_xspace: bytes | None = dataclasses.field(default=None, repr=False)
 
     def peak_allocated(self) -> dict[str, int]:
         """The highest bytes in use per device during the step, from the allocator's samples."""

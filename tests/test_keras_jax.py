@@ -152,3 +152,30 @@ def test_checkpoint_saver_alone_saves_each_steps_weights_and_optimizer(jax_run):
     _, result, _ = jax_run
     assert result["checkpoint_steps"] == [0, 2, 4, 6] and result["checkpoint_dropped"] == 0
     assert result["latest_iterations"] == 6 and result["latest_equals_model"]
+
+
+def test_the_profile_tab_has_hookprofs_step_and_jaxs_own_xspace_beside_it(jax_run):
+    """Each traced step is two Profile-tab runs: hookprof's `step_N` (the step's phases and scopes, as the
+    timeline has them) and `step_N_jax`, the XSpace JAX's profiler handed back, as Keras'
+    `TensorBoard(profile_batch=)` writes it: XLA's ops by their HLO names in xprof's trace viewer (xprof's op
+    tables count no framework ops in it on CPU: hookprof's run has those, by layer and phase)."""
+    from hookprof.trace import xplane
+    from hookprof.tracing import xspace
+    from tests.test_xprof import raw_to_tool_data
+
+    out, result, _ = jax_run
+    profile = os.path.join(out, "timelines", "plugins", "profile")
+    host = os.uname().nodename
+    assert sorted(os.listdir(profile)) == [f"step_{n:010d}{suffix}" for n in (2, 4, 6) for suffix in ("", "_jax")]
+    for step in (2, 4, 6):
+        ours = xspace.parse_xspace(open(os.path.join(profile, f"step_{step:010d}", f"{host}.xplane.pb"), "rb").read())
+        native_path = os.path.join(profile, f"step_{step:010d}_jax", f"{host}.xplane.pb")
+        native = xspace.parse_xspace(open(native_path, "rb").read())
+        assert [p.name for p in ours.planes] == [xplane.HOST_PLANE, xplane.TASK_PLANE]
+        assert native != ours and len(native.planes) >= 1
+        hlo_ops = {row.name for row in xspace.events(native, frozenset({"hlo_op"})) if "hlo_op" in row.stats}
+        assert hlo_ops, [p.name for p in native.planes]  # XLA's executed ops, as JAX recorded them
+        if raw_to_tool_data is not None:  # xprof's trace viewer on JAX's file: XLA's ops, by their HLO names
+            data, _ = raw_to_tool_data.xspace_to_tool_data([native_path], "trace_viewer", {})
+            shown = {event.get("name") for event in json.loads(data)["traceEvents"]}
+            assert hlo_ops <= shown, sorted(hlo_ops - shown)[:10]

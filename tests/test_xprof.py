@@ -166,10 +166,14 @@ def test_remove_profile_run_takes_xprofs_caches_but_not_another_hosts_file(tmp_d
     os.makedirs(run)
     for name in ("a.xplane.pb", "b.xplane.pb", "ALL_HOSTS.op_stats_v2.pb", "NO_MODULE.hlo_proto.pb"):
         open(os.path.join(run, name), "wb").close()
+    os.makedirs(run + "_jax")  # JAX's own XSpace of the step, beside hookprof's run: it goes with it
+    for name in ("a.xplane.pb", "b.xplane.pb", "a.op_stats_v2.pb"):
+        open(os.path.join(run + "_jax", name), "wb").close()
     remove_profile_run(os.path.join(run, "a.xplane.pb"))
     assert os.listdir(run) == ["b.xplane.pb"]  # the other rank's file stays; the caches (of both) go
+    assert os.listdir(run + "_jax") == ["b.xplane.pb"]
     remove_profile_run(os.path.join(run, "b.xplane.pb"))
-    assert not os.path.exists(run)
+    assert not os.path.exists(run) and not os.path.exists(run + "_jax")
 
 
 @pytest.mark.parametrize("hook_args", [{"capture": CaptureOptions(profile_tab=False)}, {"tensorboard": False}],

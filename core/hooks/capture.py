@@ -134,14 +134,35 @@ class Retention:
 
 def remove_profile_run(path: str) -> None:
     """Remove an `.xplane.pb` hookprof wrote, and what xprof cached from its run (`*.op_stats*.pb`, ...: every
-    other file of the run directory but other hosts' `.xplane.pb`); the directory goes too once empty."""
+    other file of the run directory but other hosts' `.xplane.pb`); the directory goes too once empty. The
+    step's run of the tracer's own XSpace (`native_profile_path`), where there is one, goes with it."""
     os.remove(path)
-    run = os.path.dirname(path)
+    _remove_caches(os.path.dirname(path))
+    native = native_profile_path(path)
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(native)
+        _remove_caches(os.path.dirname(native))
+
+
+def _remove_caches(run: str) -> None:
+    """What xprof cached in a run directory (every file but the hosts' `.xplane.pb`), and the directory once
+    empty."""
     with contextlib.suppress(OSError):  # (a cache another reader removes or holds open: it is only a cache)
         for entry in os.scandir(run):
             if entry.is_file(follow_symlinks=False) and not entry.name.endswith(xplane.XPLANE_SUFFIX):
                 os.remove(entry.path)
         os.rmdir(run)
+
+
+NATIVE_RUN_SUFFIX = "_jax"  # the run of JAX's own XSpace of a traced step, beside hookprof's
+
+
+def native_profile_path(path: str) -> str:
+    """Where the tracer's own XSpace of the step whose Profile-tab file is `path` goes: JAX's profiler hands
+    its session's XSpace back, and xprof reads it as Keras' `TensorBoard(profile_batch=)` writes it (XLA's ops,
+    HLO, its own step view): `.../step_<N>_jax/<host>.xplane.pb`, a run beside hookprof's `step_<N>`."""
+    run, name = os.path.split(path)
+    return os.path.join(run + NATIVE_RUN_SUFFIX, name)
 
 
 def profile_run_path(logdir: str, step: int, host: str) -> str:
@@ -198,6 +219,7 @@ class Rendered:
     xspace: bytes | None = None  # the step for TensorBoard's Profile tab (a serialized XSpace)
     xspace_error: str | None = None  # NO_PROTOBUF, or a traceback's text
     xspace_seconds: float = 0.0  # building it (the benchmarks read it)
+    native_xspace: bytes | None = None  # the tracer's own XSpace of the step (JAX's), written as it came
     dataflow_missing: str | None = None  # why the step has no arrows (`hookprof.tracing.step_identity`)
 
 
@@ -238,7 +260,9 @@ def render_step(source: Any, writer: ChromeTraceWriter, spec: RenderSpec) -> Ren
         else:
             rendered.events = [SerializedEvent(e.SerializeToString()) for e in events]
         rendered.graph_seconds = time.perf_counter() - start
+    native, stats.native_xspace = stats.native_xspace, None  # (its bytes go no further than this)
     if spec.profile_host is not None:
+        rendered.native_xspace = native
         start = time.perf_counter()
         try:
             rendered.xspace = xplane.step_xspace(stats, spec.profile_host)
@@ -511,9 +535,9 @@ class CapturePipeline:
                            "tab", job.step, "The protobuf package is not installed: traced steps are not written "
                            "for TensorBoard's Profile tab; pip install 'hookprof[xprof]' (its viewer, with "
                            "protobuf), or pass capture=CaptureOptions(profile_tab=False).")
-        trace, events, xspace = rendered.trace, rendered.events, rendered.xspace
+        trace, events, xspace, native = rendered.trace, rendered.events, rendered.xspace, rendered.native_xspace
         if trace is not None or events or xspace is not None:
-            self._writes.append(WRITES.submit(lambda: self.store(job, trace, events, xspace)))
+            self._writes.append(WRITES.submit(lambda: self.store(job, trace, events, xspace, native)))
 
     def _said_missing(self, error: str | None, missing: str, key: str, what: str, step: int, install: str) -> None:
         """One output of a rendered step failed: `missing` (its package is not installed) is said once as
@@ -524,13 +548,14 @@ class CapturePipeline:
             count_dropped(self._counts)
             self._warn_once(key, f"Could not build {what}.\n%s", step, error)
 
-    def store(self, job: Job, trace: Any, events: list[Any] | None, xspace: bytes | None = None) -> None:
+    def store(self, job: Job, trace: Any, events: list[Any] | None, xspace: bytes | None = None,
+              native: bytes | None = None) -> None:
         """On the disk's worker: put a rendered step on disk (the timeline atomically, its events, then its
-        XSpace for the Profile tab, atomically)."""
+        XSpace for the Profile tab, and the tracer's own beside it, atomically)."""
         if trace is not None:
             self._write_file(job.path, *trace)
         if xspace is not None and job.output_dir is not None and job.spec.profile_host is not None:
-            self._write_xspace(profile_run_path(job.output_dir, job.step, job.spec.profile_host), xspace)
+            self._write_xspace(profile_run_path(job.output_dir, job.step, job.spec.profile_host), xspace, native)
         if events:
             try:
                 for event in events:
@@ -543,11 +568,14 @@ class CapturePipeline:
                 self._warn_once(f"tb:{reason}", "Could not write step_%d to TensorBoard in %s (%s); training goes "
                                 "on without it.", job.step, job.output_dir, reason)
 
-    def _write_xspace(self, path: str, data: bytes) -> None:
+    def _write_xspace(self, path: str, data: bytes, native: bytes | None) -> None:
         try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            with atomic_write(path) as out:
-                out.write(data)
+            for file, content in ((path, data), (native_profile_path(path), native)):
+                if content is None or (file != path and os.path.lexists(file)):
+                    continue  # (never rewritten: xprof caches what it read beside it)
+                os.makedirs(os.path.dirname(file), exist_ok=True)
+                with atomic_write(file) as out:
+                    out.write(content)
         except OSError as err:  # a full disk must not end the training run
             count_dropped(self._counts)
             reason = err.strerror or str(err)

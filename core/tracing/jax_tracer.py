@@ -383,7 +383,7 @@ class _Recording:
         import jax
 
         data, self._data = self._data, None
-        stats = StepStats(metadata={"jax_version": jax.__version__})
+        stats = StepStats(metadata={"jax_version": jax.__version__}, native_xspace=data)
         if data is not None:
             with paused_gc():
                 _convert(xspace.parse_xspace(data), stats, self._options, self._names, self._start_ns,
