@@ -89,14 +89,14 @@ def check_profile_matches_timeline(pb, timeline, step):
     assert {row["host_or_device"] for row in stats} == {"Host"}
     assert all(row["eager"] == "Eager" for row in stats if row["type"] != "IDLE")
 
-    overview = tool(pb, "overview_page")
-    (graph,) = [t for t in overview if any(c["id"] == "stepTimeMs" for c in t.get("cols", ()))]
-    (row,) = rows(graph)
     wait, train = spans["data_wait"], spans[f"ProfilerStep#{step}"]
-    assert row["stepnum"] == f"ProfilerStep#{step}"
-    assert row["infeedTimeMs"] == pytest.approx(wait["dur"] / 1000, abs=1e-6)  # the data wait is input time
-    assert row["hostComputeTimeMs"] == pytest.approx(train["dur"] / 1000, abs=1e-6)  # the step's phases: compute
-    assert row["stepTimeMs"] == pytest.approx((train["ts"] + train["dur"] - wait["ts"]) / 1000, abs=1e-6)
+    for page in ("overview_page", "input_pipeline_analyzer"):  # each page's step-time graph
+        (graph,) = [t for t in tool(pb, page) if any(c["id"] == "stepTimeMs" for c in t.get("cols", ()))]
+        (row,) = rows(graph)
+        assert row["stepnum"] == f"ProfilerStep#{step}"
+        assert row["infeedTimeMs"] == pytest.approx(wait["dur"] / 1000, abs=1e-6)  # the data wait is input time
+        assert row["hostComputeTimeMs"] == pytest.approx(train["dur"] / 1000, abs=1e-6)  # the phases: compute
+        assert row["stepTimeMs"] == pytest.approx((train["ts"] + train["dur"] - wait["ts"]) / 1000, abs=1e-6)
 
     memory = tool(pb, "memory_profile")
     (profile,) = memory["memoryProfilePerAllocator"].values()
