@@ -101,6 +101,31 @@ def test_wheel_contents(installed):
     assert "hookprof = hookprof.cli:main" in entry_points, entry_points
 
 
+@pytest.mark.parametrize("version, kept", [("2.11.0", True), ("2.10.0", False)])
+def test_pip_keeps_an_installed_torch_from_the_floor_on(installed, version, kept):
+    """The README: a torch of 2.11 or later already installed is kept. pip, resolving `hookprof[torch]` against a
+    venv whose torch claims `version` (its metadata, first on the path), installs nothing at 2.11.0 and wants
+    another torch at 2.10.0."""
+    fake = installed["site"] / f"torch-{version}.dist-info"
+    fake.mkdir()
+    try:
+        (fake / "METADATA").write_text(f"Metadata-Version: 2.1\nName: torch\nVersion: {version}\n")
+        (fake / "INSTALLER").write_text("pip\n")
+        (fake / "RECORD").write_text("")
+        result = subprocess.run([sys.executable, "-m", "pip", "--python", installed["python"], "install", "--dry-run",
+                                 "--no-index", "--report", "-", "--quiet", f"{installed['wheel']}[torch]"],
+                                capture_output=True, text=True, timeout=180)
+    finally:
+        shutil.rmtree(fake)
+    if kept:
+        assert result.returncode == 0, result.stderr
+        assert json.loads(result.stdout)["install"] == [], result.stdout  # torch (and the rest) kept as found
+    elif result.returncode == 0:  # a torch wheel pip can reach (this machine's local CPU wheel) replaces it
+        assert [item["metadata"]["name"] for item in json.loads(result.stdout)["install"]] == ["torch"]
+    else:  # none to be had without an index
+        assert "torch" in result.stderr, (result.stdout, result.stderr)
+
+
 USER_SCRIPT = """\
 import json, os, sys
 
