@@ -1,7 +1,9 @@
 """TensorBoard's Graphs dashboard: the traced step's graph and step_N run metadata, read back with
 TensorBoard's own EventAccumulator, and the same step built node by node through TensorBoard's protos."""
 
+import logging
 import os
+import types
 
 import hypothesis
 import pytest
@@ -109,6 +111,39 @@ def test_graph_and_step_run_metadata_land_beside_the_scalars(tmp_dir):
     assert addmm_stats.output[0].tensor_description.allocation_description.requested_bytes == 8 * 16 * 4
     assert any(m.total_bytes > 0 for s in stats for m in s.memory)
     assert os.path.dirname(hook.saved_paths[0]) == t.log_dir
+
+
+def test_a_run_gets_its_step_graph_once_while_it_stays_the_same(tmp_dir, caplog):
+    """Each traced step's run metadata, and the graph only when it changes: TensorBoard keeps one graph a run
+    and warns, at every load, for each graph event after the first (as TF1: `add_graph` once, then
+    `add_run_metadata` each step)."""
+    from tensorboard.compat.proto.event_pb2 import Event
+
+    from hookprof.hooks.capture import CapturePipeline, Job, Rendered
+    from hookprof.trace.writer import ChromeTraceWriter
+
+    t = trainer(tmp_dir, [ProfilerHook(save_steps=1)], 4)
+    t.fit(TinyModel(), loader())
+    acc = EventAccumulator(t.log_dir, size_guidance={"run_metadata": 0})
+    with caplog.at_level(logging.WARNING, logger="tensorboard"):
+        acc.Reload()
+    assert sorted(acc.Tags()["run_metadata"]) == ["step_2", "step_3", "step_4"] and acc.Tags()["graph"]
+    assert not [r for r in caplog.records if "more than one graph" in r.getMessage()]
+
+    class Stream:  # a run's event stream
+        def __init__(self):
+            self.events = []
+
+        def add_event(self, event):
+            self.events.append(event)
+
+    pipeline = CapturePipeline(ChromeTraceWriter())
+    job = Job(1, types.SimpleNamespace(step=1), None, os.path.join(tmp_dir, "t.json"), None, Stream(), None)
+    for step, digest in enumerate([b"a", b"a", b"b", b"a"]):
+        pipeline.store(job, Rendered(events=[Event(step=step, graph_def=digest), Event(step=step)],
+                                     graph_digest=digest))
+    graphs = [e.graph_def for e in job.events.events if e.HasField("graph_def")]
+    assert graphs == [b"a", b"b", b"a"] and len(job.events.events) == 7  # a changed graph is written again
 
 
 def test_tensorboard_false_writes_no_event_file(tmp_dir):

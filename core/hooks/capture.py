@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import hashlib
 import logging
 import os
 import socket
@@ -216,6 +217,7 @@ class Rendered:
     render_error: str | None = None
     events_error: str | None = None  # NO_TENSORBOARD, or a traceback's text
     graph_seconds: float = 0.0  # building the step graph and run metadata (the benchmarks read it)
+    graph_digest: bytes | None = None  # of the step's GraphDef (`events[0]`): a run gets a graph when it changes
     xspace: bytes | None = None  # the step for TensorBoard's Profile tab (a serialized XSpace)
     xspace_error: str | None = None  # NO_PROTOBUF, or a traceback's text
     xspace_seconds: float = 0.0  # building it (the benchmarks read it)
@@ -259,6 +261,7 @@ def render_step(source: Any, writer: ChromeTraceWriter, spec: RenderSpec) -> Ren
             rendered.events_error = traceback.format_exc()
         else:
             rendered.events = [SerializedEvent(e.SerializeToString()) for e in events]
+            rendered.graph_digest = hashlib.blake2b(events[0].graph_def, digest_size=16).digest()
         rendered.graph_seconds = time.perf_counter() - start
     native, stats.native_xspace = stats.native_xspace, None  # (its bytes go no further than this)
     if spec.profile_host is not None:
@@ -364,6 +367,7 @@ class CapturePipeline:
         self._slowest_render = 0.0  # seconds, of the worker's renders that came back
         self._run_paths: set[str] = set()  # the timelines this run wrote (another fit's are never overwritten)
         self._writes: collections.deque[BackgroundJob] = collections.deque()  # on the disk's worker, in order
+        self._last_graph: tuple[int, bytes | None] = (0, None)  # (id of the run's event stream, graph digest)
         self.skipped_traces = 0  # steps due to be traced while max_pending_writes files waited for the disk
         self.skipped_since_file = 0  # of those, the ones no file's metadata has reported yet
 
@@ -386,6 +390,7 @@ class CapturePipeline:
         self.retention.reset()
         self._run_paths.clear()
         self.profile_retention.reset()
+        self._last_graph = (0, None)  # (a new run's event stream gets its graph; ids live as long as the run)
 
     def room_to_write(self) -> bool:
         """Whether fewer than max_pending_writes of this pipeline's rendered steps wait for the disk, after giving
@@ -535,9 +540,8 @@ class CapturePipeline:
                            "tab", job.step, "The protobuf package is not installed: traced steps are not written "
                            "for TensorBoard's Profile tab; pip install 'hookprof[xprof]' (its viewer, with "
                            "protobuf), or pass capture=CaptureOptions(profile_tab=False).")
-        trace, events, xspace, native = rendered.trace, rendered.events, rendered.xspace, rendered.native_xspace
-        if trace is not None or events or xspace is not None:
-            self._writes.append(WRITES.submit(lambda: self.store(job, trace, events, xspace, native)))
+        if rendered.trace is not None or rendered.events or rendered.xspace is not None:
+            self._writes.append(WRITES.submit(lambda: self.store(job, rendered)))
 
     def _said_missing(self, error: str | None, missing: str, key: str, what: str, step: int, install: str) -> None:
         """One output of a rendered step failed: `missing` (its package is not installed) is said once as
@@ -548,20 +552,29 @@ class CapturePipeline:
             count_dropped(self._counts)
             self._warn_once(key, f"Could not build {what}.\n%s", step, error)
 
-    def store(self, job: Job, trace: Any, events: list[Any] | None, xspace: bytes | None = None,
-              native: bytes | None = None) -> None:
+    def store(self, job: Job, rendered: Rendered) -> None:
         """On the disk's worker: put a rendered step on disk (the timeline atomically, its events, then its
-        XSpace for the Profile tab, and the tracer's own beside it, atomically)."""
-        if trace is not None:
-            self._write_file(job.path, *trace)
+        XSpace for the Profile tab, and the tracer's own beside it, atomically). The step's graph goes to its
+        event stream only when it differs from the last one written there: TensorBoard keeps one graph a run
+        (the newest, with a warning for each other), which each step's run metadata colours, as TF1's
+        `add_graph` once and `add_run_metadata` each step did."""
+        if rendered.trace is not None:
+            self._write_file(job.path, *rendered.trace)
+        xspace = rendered.xspace
         if xspace is not None and job.output_dir is not None and job.spec.profile_host is not None:
-            self._write_xspace(profile_run_path(job.output_dir, job.step, job.spec.profile_host), xspace, native)
+            self._write_xspace(profile_run_path(job.output_dir, job.step, job.spec.profile_host), xspace,
+                               rendered.native_xspace)
+        events = rendered.events
         if events:
+            graph = (id(job.events), rendered.graph_digest)
+            if graph[1] is not None and graph == self._last_graph:
+                events = events[1:]
             try:
                 for event in events:
                     if isinstance(event, SerializedEvent) and not isinstance(job.events, EventWriter):
                         event = event.proto()  # a sink passing events to someone else's writer
                     job.events.add_event(event)
+                self._last_graph = graph
             except Exception as err:  # TensorBoard output must not end the training run either
                 count_dropped(self._counts)
                 reason = (err.strerror or str(err)) if isinstance(err, OSError) else type(err).__name__
