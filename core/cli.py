@@ -240,6 +240,12 @@ def load_profiler(inputs: list[str]):
     from hookprof.profiler import Profiler
     from hookprof.trace.reader import read_timeline
 
+    named: dict[str, str] = {}
+    for path in inputs:  # (a step added twice adds up: the same file twice would double its figures)
+        real = os.path.realpath(path)
+        if real in named:
+            raise CommandError(f"{path}: named twice (first as {named[real]}); name each profile or timeline once.")
+        named[real] = path
     profiler = Profiler()
     for i, path in enumerate(inputs):
         if path.endswith((".json", ".json.gz")):
@@ -252,10 +258,7 @@ def load_profiler(inputs: list[str]):
             saved = _load_profile(path)
             if len(inputs) == 1:
                 return saved
-            try:
-                profiler.merge(saved)
-            except ValueError as err:
-                raise CommandError(f"{path}: {err}") from None
+            profiler.merge(saved)
     return profiler
 
 

@@ -50,8 +50,9 @@ class KerasSession(Session):
 
     framework = "keras"
 
-    def __init__(self, model: keras.Model) -> None:
+    def __init__(self, model: keras.Model, epoch_steps: int | None = None) -> None:
         super().__init__(model=model)
+        self.epoch_steps = epoch_steps  # the fit's batches per epoch (Keras' `params["steps"]`), None: unknown
         optimizer = getattr(model, "optimizer", None)
         iterations = getattr(optimizer, "iterations", None)
         self._first_step = 0 if iterations is None else int(to_numpy(iterations))
@@ -81,12 +82,13 @@ class KerasSession(Session):
     def global_step(self) -> int:
         return self._first_step + self.steps_done
 
-    def step_ended(self, first_batch: int | None, last_batch: int, epoch_steps: int | None) -> None:
+    def step_ended(self, first_batch: int | None, last_batch: int) -> None:
         """A train-function call ran batches `first_batch` .. `last_batch` of an epoch of `epoch_steps` (Keras
         3.8+ names both, the last as if the call were full: an epoch's last call may run fewer, so it is cut at
         the epoch's end; older Keras names the first twice: then it ran `steps_per_run`). The optimizer's count
         is not read: on JAX it lives outside the model during the fit."""
         if first_batch is not None and last_batch > first_batch:
+            epoch_steps = self.epoch_steps
             if epoch_steps:
                 last_batch = min(last_batch, epoch_steps - 1)
             ran = last_batch - first_batch + 1
@@ -165,7 +167,7 @@ class _Fit:
         for hook in hooks:  # hooks left without a directory write where Keras' TensorBoard callback does
             if hasattr(hook, "set_default_output_dir"):
                 hook.set_default_output_dir(DEFAULT_LOG_DIR)
-        self.session = KerasSession(self.model)
+        self.session = KerasSession(self.model, (leader.params or {}).get("steps"))  # (Keras sets params per fit)
         # (with a watch on the train function, the step's trace starts there: a later callback's
         # on_train_batch_begin that raises then leaves no profiler running)
         self.driver = HookedSession(hooks, tracer_factory(self.model), defer_trace=self.watch is not None)
@@ -299,7 +301,7 @@ class HookCallback(keras.callbacks.Callback):
         if self._follows:
             return
         session = self._session
-        session.step_ended(self._first_batch, batch, (self.params or {}).get("steps"))
+        session.step_ended(self._first_batch, batch)
         watch = self._fit.watch
         try:
             stop = self._driver.after_run(lambda: _finished_step(session, logs, watch.batch if watch else None, batch))

@@ -25,26 +25,60 @@ from lightning_prof.hook_callback import HookCallback
 
 class CheckpointSaverHook(HookCallback):
     hook: hookprof.hooks.checkpoint_saver_hook.CheckpointSaverHook
-    def __init__(self, checkpoint_dir: str | os.PathLike, save_secs: float | None = ..., save_steps: int | None = ..., saver: Any = ..., checkpoint_basename: str = ..., scaffold: Any = ..., listeners: Sequence[CheckpointSaverListener] | None = ..., strict: bool = ..., *, name: str | None = ...) -> None: ...
-    listeners: Final[list[CheckpointSaverListener]]; save_path: Final[str]; saved_paths: Final[list[str]]
+    def __init__(
+        self,
+        checkpoint_dir: str | os.PathLike,
+        save_secs: float | None = ...,
+        save_steps: int | None = ...,
+        saver: Any = ...,
+        checkpoint_basename: str = ...,
+        scaffold: Any = ...,
+        listeners: Sequence[CheckpointSaverListener] | None = ...,
+        strict: bool = ...,
+        *,
+        name: str | None = ...,
+    ) -> None: ...
+    listeners: Final[list[CheckpointSaverListener]]
+    save_path: Final[str]
+    saved_paths: Final[list[str]]
 
 class FeedFnHook(HookCallback):
     hook: hookprof.hooks.feed_fn_hook.FeedFnHook
-    def __init__(self, feed_fn: Callable[[], Mapping[Any, Any]], into_batch: bool | None = ..., *, name: str | None = ...) -> None: ...
+    def __init__(
+        self, feed_fn: Callable[[], Mapping[Any, Any]], into_batch: bool | None = ..., *, name: str | None = ...
+    ) -> None: ...
 
 class FinalOpsHook(HookCallback):
     hook: hookprof.hooks.final_ops_hook.FinalOpsHook
-    def __init__(self, final_ops: Any, final_ops_feed_dict: Mapping[str, Any] | None = ..., *, name: str | None = ...) -> None: ...
+    def __init__(
+        self, final_ops: Any, final_ops_feed_dict: Mapping[str, Any] | None = ..., *, name: str | None = ...
+    ) -> None: ...
     final_ops_values: Final[Any]
 
 class GlobalStepWaiterHook(HookCallback):
     hook: hookprof.hooks.global_step_waiter_hook.GlobalStepWaiterHook
-    def __init__(self, wait_until_step: int, global_step_fn: Callable[[], int] | None = ..., sleep: Callable[[float], Any] | None = ..., *, name: str | None = ...) -> None: ...
+    def __init__(
+        self,
+        wait_until_step: int,
+        global_step_fn: Callable[[], int] | None = ...,
+        sleep: Callable[[float], Any] | None = ...,
+        *,
+        name: str | None = ...,
+    ) -> None: ...
     worker_is_started: Final[bool]
 
 class LoggingTensorHook(HookCallback):
     hook: hookprof.hooks.logging_tensor_hook.LoggingTensorHook
-    def __init__(self, tensors: Mapping[str, Any] | list[str] | tuple[str, ...], every_n_iter: int | None = ..., every_n_secs: float | None = ..., at_end: bool = ..., formatter: Callable[[dict[str, Any]], str] | None = ..., *, name: str | None = ...) -> None: ...
+    def __init__(
+        self,
+        tensors: Mapping[str, Any] | list[str] | tuple[str, ...],
+        every_n_iter: int | None = ...,
+        every_n_secs: float | None = ...,
+        at_end: bool = ...,
+        formatter: Callable[[dict[str, Any]], str] | None = ...,
+        *,
+        name: str | None = ...,
+    ) -> None: ...
 
 class NanTensorHook(HookCallback):
     hook: hookprof.hooks.nan_tensor_hook.NanTensorHook
@@ -52,12 +86,44 @@ class NanTensorHook(HookCallback):
 
 class ProfilerHook(HookCallback):
     hook: hookprof.hooks.profiler_hook.ProfilerHook
-    def __init__(self, save_steps: int | None = ..., save_secs: float | None = ..., output_dir: str | os.PathLike | None = ..., show_dataflow: bool = ..., show_memory: bool = ..., ranks: int | Sequence[int] | None = ..., compress: bool = ..., max_events: int | None = ..., tensorboard: bool = ..., profiler: Profiler | None = ..., with_stack: bool = ..., triggers: Sequence[Trigger] | None = ..., capture_steps: int = ..., cooldown_steps: int = ..., keep_last: int | None = ..., capture: CaptureOptions | None = ..., *, name: str | None = ...) -> None: ...
-    fired: Final[collections.Counter[str]]; removed_timelines: Final[int]; saved_paths: Final[list[str]]; skipped_traces: Final[int]
+    def __init__(
+        self,
+        save_steps: int | None = ...,
+        save_secs: float | None = ...,
+        output_dir: str | os.PathLike | None = ...,
+        show_dataflow: bool = ...,
+        show_memory: bool = ...,
+        ranks: int | Sequence[int] | None = ...,
+        compress: bool = ...,
+        max_events: int | None = ...,
+        tensorboard: bool = ...,
+        profiler: Profiler | None = ...,
+        with_stack: bool = ...,
+        triggers: Sequence[Trigger] | None = ...,
+        capture_steps: int = ...,
+        cooldown_steps: int = ...,
+        keep_last: int | None = ...,
+        capture: CaptureOptions | None = ...,
+        *,
+        name: str | None = ...,
+    ) -> None: ...
+    fired: Final[collections.Counter[str]]
+    removed_timelines: Final[int]
+    saved_paths: Final[list[str]]
+    skipped_traces: Final[int]
 
 class StepCounterHook(HookCallback):
     hook: hookprof.hooks.step_counter_hook.StepCounterHook
-    def __init__(self, every_n_steps: int | None = ..., every_n_secs: float | None = ..., output_dir: str | os.PathLike | None = ..., summary_writer: Any = ..., batch_size: int | None = ..., *, name: str | None = ...) -> None: ...
+    def __init__(
+        self,
+        every_n_steps: int | None = ...,
+        every_n_secs: float | None = ...,
+        output_dir: str | os.PathLike | None = ...,
+        summary_writer: Any = ...,
+        batch_size: int | None = ...,
+        *,
+        name: str | None = ...,
+    ) -> None: ...
 
 class StopAtStepHook(HookCallback):
     hook: hookprof.hooks.stop_at_step_hook.StopAtStepHook
@@ -66,11 +132,31 @@ class StopAtStepHook(HookCallback):
 
 class SummarySaverHook(HookCallback):
     hook: hookprof.hooks.summary_saver_hook.SummarySaverHook
-    def __init__(self, save_steps: int | None = ..., save_secs: float | None = ..., output_dir: str | os.PathLike | None = ..., summary_writer: Any = ..., scaffold: Scaffold | None = ..., summary_op: Any = ..., strict: bool = ..., *, name: str | None = ...) -> None: ...
+    def __init__(
+        self,
+        save_steps: int | None = ...,
+        save_secs: float | None = ...,
+        output_dir: str | os.PathLike | None = ...,
+        summary_writer: Any = ...,
+        scaffold: Scaffold | None = ...,
+        summary_op: Any = ...,
+        strict: bool = ...,
+        *,
+        name: str | None = ...,
+    ) -> None: ...
 
 def trainer_saver(session: Any) -> Callable[[str], str | None]: ...
 
 __all__ = [
-    "CheckpointSaverHook", "FeedFnHook", "FinalOpsHook", "GlobalStepWaiterHook", "LoggingTensorHook", "NanTensorHook",
-    "ProfilerHook", "StepCounterHook", "StopAtStepHook", "SummarySaverHook", "trainer_saver",
+    "CheckpointSaverHook",
+    "FeedFnHook",
+    "FinalOpsHook",
+    "GlobalStepWaiterHook",
+    "LoggingTensorHook",
+    "NanTensorHook",
+    "ProfilerHook",
+    "StepCounterHook",
+    "StopAtStepHook",
+    "SummarySaverHook",
+    "trainer_saver",
 ]

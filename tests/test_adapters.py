@@ -154,11 +154,24 @@ def test_the_stub_shows_what_the_module_exports():
     text = stub(keras_callbacks)
     assert "class ProfilerHook(HookCallback):" in text
     assert "    hook: hookprof.hooks.profiler_hook.ProfilerHook" in text
-    assert "save_steps: int | None = ..., save_secs: float | None = ..." in text
+    assert "        save_steps: int | None = ...,\n        save_secs: float | None = ...,\n" in text
     assert "ranks" not in text and "clock" not in text and "name: str | None" not in text
-    assert "saved_paths: Final[list[str]]" in text
+    assert "    saved_paths: Final[list[str]]\n" in text
     assert "def model_saver(session: Any) -> Callable[[str], str | None]: ..." in text
-    assert "name: str | None = ...) -> None: ..." in stub(lightning_callbacks)
+    assert "        name: str | None = ...,\n    ) -> None: ..." in stub(lightning_callbacks)
+
+
+def test_the_stub_is_laid_out_by_ruff():
+    """ruff sorts the imports (the project's isort settings: hookprof and the adapters first party) and wraps
+    what does not fit in 120 characters: the stub passes the project's lint as it is written."""
+    text = stub(lightning_callbacks)
+    imports = [line for line in text.splitlines() if line.startswith(("import ", "from "))]
+    assert imports.index("import os") < imports.index("from typing import Any, Final") < \
+        imports.index("import hookprof.hooks.profiler_hook") < \
+        imports.index("from hookprof.profiler.profiler import Profiler") < \
+        imports.index("from lightning_prof.hook_callback import HookCallback")
+    assert max(len(line) for line in text.splitlines()) <= 120
+    assert text.endswith('    "SummarySaverHook",\n    "trainer_saver",\n]\n')  # (__all__, one name a line)
 
 
 def test_the_adapter_refuses_its_own_mistakes_at_import():

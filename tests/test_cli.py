@@ -119,6 +119,15 @@ def test_a_bad_input_among_good_ones_is_named(work, command):
     assert not (work / "merged.json").exists()
 
 
+@pytest.mark.parametrize("command", ["profile", "advise"])
+def test_the_same_file_named_twice_is_refused_not_counted_twice(work, command):
+    """A step added twice adds up (tfprof's step groups its run metadata): the same timeline or profile named
+    twice, however spelled, would double its figures."""
+    done = hookprof(command, GOOD[0], GOOD[1], f"./{GOOD[0]}", cwd=work)
+    assert_fails_with(done, f"hookprof {command}: ./{GOOD[0]}: named twice (first as {GOOD[0]}); name each "
+                      "profile or timeline once.")
+
+
 def test_summary_reports_the_good_timelines_and_one_line_per_bad_one(work):
     done = hookprof("summary", GOOD[0], "missing.json", GOOD[1], cwd=work)
     assert_fails_with(done, "hookprof summary: missing.json: no such file")

@@ -101,4 +101,4 @@ def test_the_advise_command_over_both_ranks_files_names_the_slow_rank(straggler)
                                       "collectives every step (rank 0 "), done.stdout
     same = subprocess.run([sys.executable, "-m", "hookprof.cli", "advise", profiles[0], profiles[0]],
                           capture_output=True, text=True, cwd=REPO, timeout=120)
-    assert same.returncode == 2 and f"{profiles[0]}: merge: both profiles hold step 2 of rank 0" in same.stderr
+    assert same.returncode == 2 and f"{profiles[0]}: named twice (first as {profiles[0]})" in same.stderr

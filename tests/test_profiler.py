@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from hookprof.profiler import ProfileFormatError, Profiler, views
 from hookprof.profiler import ProfileOptionBuilder as B
-from hookprof.profiler.profile_data import BYTES, OUTPUT
+from hookprof.profiler.profile_data import BYTES, COUNT, MICROS, OUTPUT
 from hookprof.profiler.serialize import MAGIC
 from hookprof.trace.reader import load_trace
 from lightning_prof import ProfilerHook
@@ -660,6 +660,52 @@ def test_adding_the_same_step_twice_accumulates_and_op_log_adds_types():
         Profiler(model, op_log={"nope": ["x"]})
     with pytest.raises(ValueError, match=r"add_step\(step=-1\)"):
         prof.add_step(-1, stats())
+
+
+def one_step(micros=5, train_micros=9):
+    """A step of one op (`net/fc/aten::mm`) inside its train_step span."""
+    from hookprof.step_stats import NodeExecStats, StepStats
+    from hookprof.trace import format as fmt
+
+    s = StepStats()
+    nodes = s.device("/host:CPU").node_stats
+    nodes.append(NodeExecStats(fmt.TRAIN_STEP, fmt.TRAIN_STEP, 0, train_micros * 1000, 1, category=fmt.CAT_SPAN))
+    nodes.append(NodeExecStats("net/fc/aten::mm", "aten::mm", 1000, micros * 1000, 1, "net/fc"))
+    return s
+
+
+def test_a_merged_profile_is_a_copy_and_a_step_both_hold_adds_up_as_add_step_does():
+    """merge and add_step agree (a tfprof step groups the run metadata given for it: the same (rank, step) adds
+    up), and what a merge took in is its own: a step added to either profile afterwards changes only that one."""
+    mine, theirs, together = Profiler(), Profiler(), Profiler()
+    mine.add_step(1, one_step(5))
+    theirs.add_step(1, one_step(7))
+    theirs.add_step(2, one_step(3))
+    for step, micros in ((1, 5), (1, 7), (2, 3)):
+        together.add_step(step, one_step(micros))
+    mine.merge(theirs)
+    op = "net/fc/aten::mm"
+    assert mine.data.nodes[op].steps == together.data.nodes[op].steps
+    assert mine.data.steps == together.data.steps
+    assert mine.data.nodes[op].steps[(0, 1)][COUNT] == 2 and mine.data.steps[(0, 1)].step_micros == 18
+    theirs.add_step(2, one_step(3))
+    mine.add_step(1, one_step(5))
+    assert mine.data.nodes[op].steps[(0, 2)][COUNT] == 1 and mine.data.steps[(0, 2)].step_micros == 9
+    assert theirs.data.nodes[op].steps[(0, 1)][COUNT] == 1 and theirs.data.steps[(0, 1)].step_micros == 9
+    assert theirs.data.nodes[op].steps[(0, 2)][COUNT] == 2 and mine.data.steps[(0, 1)].step_micros == 27
+
+
+def test_a_nodes_figures_at_a_step_see_the_ranks_and_steps_added_after_the_last_read():
+    """`figures(step)` and `ran_at(step)` read an index of the node's steps: one added since (another rank's
+    of the same step, a new step) is in the next read."""
+    prof = Profiler()
+    prof.add_step(1, one_step(4), rank=0)
+    node = prof.data.nodes["net/fc/aten::mm"]
+    assert node.figures(1)[MICROS] == 4 and node.ran_at(1) and not node.ran_at(2)
+    prof.add_step(1, one_step(8), rank=1)
+    prof.add_step(2, one_step(6), rank=1)
+    assert node.figures(1)[MICROS] == 6  # the mean over the ranks
+    assert node.ran_at(2) and node.figures(2)[MICROS] == 6 and node.figures(-1)[MICROS] == 6
 
 
 class KeepsATensor(TinyModel):

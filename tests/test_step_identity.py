@@ -1,16 +1,22 @@
 """Tensor identities borrowed from an earlier traced step (`hookprof.tracing.step_identity`), in real Lightning fits:
 the same arrows and memory objects as the step's own event tree, and none, with the reason, where the ops differ."""
 
+import contextvars
 import dataclasses
 
 import lightning as L
+import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+from hookprof import HookedSession, ManualSession, SessionRunHook
+from hookprof._runtime import worker
+from hookprof.hooks.capture import CaptureOptions
 from hookprof.run_options import RunOptions, TraceLevel
 from hookprof.trace import format as fmt
+from hookprof.tracing import HostTracer
 from hookprof.tracing.kineto_trace import BORROW
-from hookprof.tracing.step_identity import DATAFLOW_MISSING
+from hookprof.tracing.step_identity import DATAFLOW_MISSING, TEMPLATES, held_fits
 from hookprof.tracing.torch_tracer import TorchTracer
 from lightning_prof import ProfilerHook
 from tests.conftest import load_trace
@@ -120,3 +126,36 @@ def test_a_step_to_borrow_from_that_was_converted_elsewhere_does_not_count_towar
     for _ in range(_Identities.GIVE_UP):
         identities.mismatch("op 7 differs")
     assert identities.mode() is None
+
+
+class HeldAtTheEnd(L.Callback):
+    """At the fit's end, before the ProfilerHook's (placed before it): its steps flushed, the fits whose
+    templates the process converting its steps holds."""
+
+    def __init__(self, hook, held):
+        self.hook, self.held, self.fits = hook, held, None
+
+    def on_train_end(self, trainer, pl_module):
+        assert self.hook.saved_paths  # (waits for every traced step to be converted)
+        self.fits = set(self.held())
+
+
+@pytest.mark.parametrize("render_worker", [True, False], ids=["worker", "in-process"])
+def test_a_fit_s_template_goes_when_the_fit_ends(tmp_dir, render_worker):
+    """A fit's template is the fit's (its FitRun's): gone once the fit ends, from the render worker (which
+    another fit open meanwhile keeps running) or from the training process, not left for later fits to evict."""
+    held = (lambda: worker.WORKER.call(held_fits)) if render_worker else TEMPLATES.tokens
+    other, context = HookedSession([SessionRunHook()], HostTracer), contextvars.Context()
+    context.run(other.begin)  # a fit in another thread: the worker outlives this one
+    try:
+        hook = ProfilerHook(save_steps=1, output_dir=tmp_dir, show_memory=True,
+                            capture=CaptureOptions(render_worker=render_worker))
+        probe = HeldAtTheEnd(hook, held)
+        before = set(held()) if render_worker and worker.WORKER.answered else set(TEMPLATES.tokens())
+        trainer(tmp_dir, [probe, hook], 5).fit(TinyModel(), loader())
+        mine = probe.fits - before
+        assert len(mine) == 1  # the fit's template, while it ran
+        assert not mine & set(held())
+        assert render_worker == (worker.WORKER._process is not None)
+    finally:
+        context.run(other.end, ManualSession())

@@ -79,9 +79,25 @@ class Worker:
         not answered after `timeout` seconds (the worker is stopped then: a hung one must not hold up the
         training process's end); OSError when no worker can run here (it cannot start, or the first one
         died before answering)."""
+        return self._call(fn, args, timeout, start=True)
+
+    def tell(self, fn: Callable[..., Any], *args: Any, timeout: float = _EXIT_SECONDS) -> None:
+        """`fn(*args)` in the worker if one runs, for what it holds (a fit's end: what it kept for that fit); none
+        is started for it (a new one holds nothing). A failure is logged, never raised: the worker that failed
+        is gone, and what it held with it."""
+        try:
+            self._call(fn, args, timeout, start=False)
+        except (WorkerFailed, OSError) as err:
+            log.debug("The render worker could not run %s: %s", getattr(fn, "__name__", fn), err)
+
+    def _call(self, fn: Callable[..., Any], args: tuple[Any, ...], timeout: float | None, start: bool) -> Any:
         request = pickle.dumps((fn, args), protocol=pickle.HIGHEST_PROTOCOL)
         with self._lock:
-            process = self._started()
+            process = self._process
+            if start:
+                process = self._started()
+            elif process is None or process.poll() is not None or not self._answered:
+                return None  # (one still starting holds nothing yet)
             reply = None
             deadline = None if timeout is None else time.monotonic() + timeout
             try:

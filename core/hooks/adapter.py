@@ -13,7 +13,9 @@ What a framework adds to every callback is an `Adapter`: its `HookCallback` clas
 
 Type checkers do not run code, so they cannot see a class made at run time: `stub(module)` writes the `.pyi` of
 an adapter module from the same signatures (`python -m hookprof.hooks.adapter lightning_prof.callbacks
-keras_prof.callbacks` rewrites them beside the modules; `tests/test_adapters.py` fails when one is stale).
+keras_prof.callbacks` rewrites them beside the modules; `tests/test_adapters.py` fails when one is stale). ruff,
+the project's lint, lays them out (imports in isort's order, long signatures wrapped), so it must be installed
+where they are written or checked (the `test` extra).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import dataclasses
 import importlib
 import inspect
 import re
+import subprocess
 import sys
 import typing
 from collections.abc import Callable, Mapping
@@ -263,41 +266,41 @@ def stub(module: ModuleType) -> str:
             params = [(p, obj) for p in inspect.signature(obj).parameters.values()]
             out.body += ["", out.function(name, obj, params)]
         elif getattr(obj, "__module__", None) not in (None, module.__name__):
-            out.imports.reexport(obj.__module__, name)
+            out.imports.add(f"from {obj.__module__} import {name} as {name}")
         else:
             raise TypeError(f"{module.__name__}.{name}: a stub shows callbacks, functions and imported names only.")
     return out.text()
 
 
 class _Stub:
-    """A stub being written: its imports, gathered from the annotations it uses, and its body. A signature and a
-    class's properties stand on one line each (they are read by tools; the lint allows it for these files)."""
+    """A stub being written: its imports, gathered from the annotations it uses, and its body, laid out by ruff
+    (`_ruff`): imports in isort's order, long signatures wrapped."""
 
     def __init__(self, module: ModuleType) -> None:
         self.module = module
         self.exported = list(module.__all__)
-        self.imports = _Imports(module.__name__)
+        self.imports: set[str] = set()
         self.body: list[str] = []
 
     def text(self) -> str:
         names = ", ".join(f'"{name}"' for name in self.exported)
-        return "\n".join([HEADER.format(module=self.module.__name__), "", *self.imports.lines(), *self.body, "",
-                          *_wrap_list("__all__ = [", names), ""])
+        raw = "\n".join([HEADER.format(module=self.module.__name__), "", *sorted(self.imports), *self.body, "",
+                         f"__all__ = [{names}]", ""])
+        return _ruff(raw, Path(self.module.__file__).with_suffix(".pyi"))
 
     def callback(self, name: str, made: Made) -> None:
         base, hook = made.adapter.base, made.hook_class
-        self.imports.name(base.__module__, base.__name__)
-        self.imports.module(hook.__module__)
+        self.imports.add(f"from {base.__module__} import {base.__name__}")
+        self.imports.add(f"import {hook.__module__}")
         hook_params = inspect.signature(hook.__init__).parameters
         params = [(p, hook.__init__ if p.name in hook_params else base.__init__)
                   for p in made.source.parameters.values()]
         self.body += ["", f"class {name}({base.__name__}):", f"    hook: {hook.__module__}.{hook.__qualname__}",
                       self.function("__init__", hook.__init__, params, "    ")]
         if made.properties:  # read only (Final)
-            self.imports.name("typing", "Final")
-            self.body.append("    " + "; ".join(
-                f"{key}: Final[{self.annotation(inspect.getattr_static(hook, key).fget, 'return')}]"
-                for key in made.properties))
+            self.imports.add("from typing import Final")
+            self.body += [f"    {key}: Final[{self.annotation(inspect.getattr_static(hook, key).fget, 'return')}]"
+                          for key in made.properties]
 
     def function(self, name: str, function: Any, params: list[tuple[inspect.Parameter, Any]], indent: str = "") -> str:
         """A `def` line from the parameters, each with the function its annotation was written in."""
@@ -314,7 +317,7 @@ class _Stub:
         """`function`'s annotation of `key` as written, importing the names it uses from where they are defined."""
         text = function.__annotations__.get(key)
         if text is None:
-            self.imports.name("typing", "Any")
+            self.imports.add("from typing import Any")
             return "Any"
         if not isinstance(text, str):
             raise TypeError(f"{function.__qualname__}: annotation {text!r} is not a string: stubs are written from "
@@ -331,9 +334,9 @@ class _Stub:
                 if value.__name__ != node.id:
                     raise TypeError(f"{function.__qualname__}: a stub imports modules by their own name, not "
                                     f"{value.__name__} as {node.id}.")
-                self.imports.module(value.__name__)
+                self.imports.add(f"import {value.__name__}")
             else:
-                self.imports.name(_defined_in(value, node.id, function.__module__), node.id)
+                self.imports.add(f"from {_defined_in(value, node.id, function.__module__)} import {node.id}")
         return text
 
 
@@ -345,63 +348,21 @@ def _defined_in(value: Any, name: str, fallback: str) -> str:
     return fallback
 
 
-class _Imports:
-    """A stub's imports, in ruff's isort order: sections (stdlib, third party, first party), plain imports before
-    `from` imports, names by type (CONSTANTS, Classes, functions) then alphabet."""
-
-    def __init__(self, module: str) -> None:
-        self._own = module.split(".")[0]
-        self._modules: set[str] = set()
-        self._names: dict[str, set[str]] = {}
-
-    def module(self, name: str) -> None:
-        self._modules.add(name)
-
-    def name(self, module: str, name: str) -> None:
-        self._names.setdefault(module, set()).add(name)
-
-    def reexport(self, module: str, name: str) -> None:
-        self._names.setdefault(module, set()).add(f"{name} as {name}")
-
-    def _section(self, module: str) -> int:
-        top = module.split(".")[0]
-        if top in sys.stdlib_module_names:
-            return 0
-        return 2 if top in ("hookprof", self._own) else 1
-
-    def lines(self) -> list[str]:
-        out: list[str] = []
-        for section in range(3):
-            plain = sorted(m for m in self._modules if self._section(m) == section)
-            froms = sorted(m for m in self._names if self._section(m) == section)
-            if out and (plain or froms):
-                out.append("")
-            out += [f"import {m}" for m in plain]
-            for m in froms:
-                names = ", ".join(sorted(self._names[m], key=_name_order))
-                line = f"from {m} import {names}"
-                out += [line] if len(line) <= 120 else [f"from {m} import (", *(f"    {n}," for n in
-                                                                                 names.split(", ")), ")"]
-        return out
-
-
-def _name_order(name: str) -> tuple[int, str]:
-    bare = name.split(" ")[0]
-    kind = 0 if bare.isupper() and len(bare) > 1 else 1 if bare[:1].isupper() else 2
-    return kind, bare
-
-
-def _wrap_list(opening: str, items: str) -> list[str]:
-    """`opening` + items + `]` in lines of at most 120 characters."""
-    if len(opening) + len(items) + 1 <= 120:
-        return [f"{opening}{items}]"]
-    lines, current = [opening], ""
-    for item in items.split(", "):
-        if current and len(current) + len(item) + 2 > 116:
-            lines.append(f"    {current.strip()}")
-            current = ""
-        current += f" {item},"
-    return [*lines, f"    {current.strip()}", "]"]
+def _ruff(text: str, path: Path) -> str:
+    """`text` as ruff lays out the file at `path` under the project's settings (found from `path`): its imports
+    sorted and merged (`check --fix --select I`), then formatted. ruff is the project's lint, in its `test`
+    extra; the stubs are written and checked where that is installed."""
+    for command in (["check", "--fix", "--select", "I"], ["format"]):
+        try:
+            done = subprocess.run([sys.executable, "-m", "ruff", *command, "--quiet", "--stdin-filename", str(path),
+                                   "-"], input=text, capture_output=True, text=True, check=False)
+        except OSError as err:
+            raise RuntimeError(f"Could not run ruff to lay out {path}: {err}") from None
+        if done.returncode != 0:
+            raise RuntimeError(f"`ruff {command[0]}` failed on the stub of {path} (stubs are laid out by ruff: "
+                               f"pip install -e '.[test]'):\n{done.stderr.strip()}")
+        text = done.stdout
+    return text
 
 
 def write_stubs(module_names: list[str], check: bool = False) -> list[str]:

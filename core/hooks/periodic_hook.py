@@ -47,7 +47,9 @@ class PeriodicHook(SessionRunHook):
         self.dropped_outputs = 0
         self._warn_once = WarnOnce(logging.getLogger(type(self).__module__))
         self._session: Any = None  # the fit's session (its steps_per_run)
-        self._due = False  # the running step fires the schedule (set in before_run, cleared by `_step_done`)
+        # the running step fires the schedule: set by the subclass's before_run, read back and cleared by its
+        # after_run (`_step_done`); `state_dict` reads it in between
+        self._due = False
         self._agreeing = False  # the ranks of this distributed fit agree this hook's decisions (`votes`)
 
     def _run_steps(self) -> int:
@@ -85,9 +87,11 @@ class PeriodicHook(SessionRunHook):
             self._timer.update_last_triggered_step(step - (step - self.first_fire) % self.save_steps)
         self._restored = False  # a later run starts its own count
 
-    def _step_done(self) -> None:
-        """This hook's after_run of the running step is over (its timer is up to date)."""
-        self._due = False
+    def _step_done(self) -> bool:
+        """This hook's after_run of the running step has begun (it brings its timer up to date): whether the step
+        fired the schedule."""
+        due, self._due = self._due, False
+        return due
 
     def state_dict(self) -> dict[str, Any]:
         """The schedule, so that a resumed run writes no duplicate and misses no step. A checkpoint taken inside

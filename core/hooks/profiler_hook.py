@@ -152,7 +152,7 @@ class ProfilerHook(PeriodicHook):
         self._events: Any = None
         self._run_start: tuple[int, float] | None = None  # (global step, time) of this run's first step
         self._fired_in_run = 0
-        self._wanted = self._skipping = self._periodic = False
+        self._wanted = self._skipping = False
         self._capturing: CaptureWindow | None = None
 
     # --- what users read ----------------------------------------------------------------------------------
@@ -220,9 +220,9 @@ class ProfilerHook(PeriodicHook):
                 and timer.should_trigger_for_step(global_step + self._run_steps()))
 
     def before_run(self, run_context) -> SessionRunArgs | None:
-        self._periodic = self._due = self._traces_step(run_context.session.global_step)
+        self._due = self._traces_step(run_context.session.global_step)
         self._capturing = self.watch.pending if self._writes_here else None
-        self._wanted = self._periodic or self._capturing is not None
+        self._wanted = self._due or self._capturing is not None
         # a disk slower than the schedule: skip the trace (counted) rather than stall or hold ever more files
         self._skipping = self._wanted and not self.pipeline.room_to_write()
         self._request = self._wanted and not self._skipping
@@ -260,7 +260,7 @@ class ProfilerHook(PeriodicHook):
         timer = self._timer
         session = run_context.session
         step = session.global_step
-        self._step_done()
+        periodic = self._step_done()
         if self._run_start is None:
             self._run_start = (step - self._run_steps(), time.monotonic())
         self.watch.step_ended(step, run_values.results, self._capturing, self._writes_here, self.output_dir)
@@ -269,7 +269,7 @@ class ProfilerHook(PeriodicHook):
             # (the step before this run's first; a NeverTriggerTimer, with triggers alone, ignores it)
             timer.update_last_triggered_step(step - self._run_steps())
         elif self._wanted:
-            if self._periodic:
+            if periodic:
                 timer.update_last_triggered_step(step)
             self._fired_in_run += 1  # (traced or not: another profiler may hold torch's, which warns itself)
             if self._skipping:

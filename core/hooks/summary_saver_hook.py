@@ -82,7 +82,6 @@ class SummarySaverHook(PeriodicHook):
         self._sink: Any = None
         self._writes_here = True
         self._started = False
-        self._request = False
         self.summary_errors = 0
 
     def set_default_output_dir(self, path: str | os.PathLike) -> None:
@@ -116,8 +115,8 @@ class SummarySaverHook(PeriodicHook):
                 global_step + getattr(self._session, "steps_per_run", 1))))  # (steps_per_run, inline: every step)
 
     def before_run(self, run_context) -> SessionRunArgs | None:
-        self._request = self._due = not self.quiet_on(run_context.session.global_step)
-        if not self._request:
+        self._due = not self.quiet_on(run_context.session.global_step)
+        if not self._due:
             return None
         op = self._get_summary_op()
         if op is None:
@@ -125,8 +124,7 @@ class SummarySaverHook(PeriodicHook):
         return SessionRunArgs(fetches=lambda state: op.evaluate(state, self.strict, self._on_error))
 
     def after_run(self, run_context, run_values) -> None:
-        self._step_done()
-        if not self._request:
+        if not self._step_done():
             return
         step = run_context.session.global_step
         try:

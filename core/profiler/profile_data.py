@@ -10,12 +10,17 @@ Steps are keyed by `(rank, global step)`: the profiles of a distributed run's ra
 (`ProfileData.merge`) without adding one rank's step to another's, and the advisor compares the ranks. A step's
 figures at step N (`NodeData.figures(N)`) are the mean over the ranks that traced it.
 
+A (rank, step) added again adds up, whether by `add_step` or by `merge`: in tfprof a step number groups "one or
+more different run_meta" (TF's `Profiler.add_step`), every traced run of that step counted once; a merged
+profile's steps are run metadata too. What a merged profile holds is its own copy.
+
 Output bytes are TF's: the sizes of the tensors an op produced in the step (its outputs' descriptions), read by
 a later op or not (TF's `ExecStep::AddMemoryStats` summed every output of the node's executions in the step).
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import re
 from typing import Any
@@ -65,20 +70,43 @@ class NodeData:
     params: int = 0
     steps: dict[StepKey, list[float]] = dataclasses.field(default_factory=dict)
     memory_device: str = ""  # where its allocations live (ops run on the host, their tensors may not)
+    # `steps`' keys by global step, and how many keys it was built from: keys are only ever added, so a count
+    # that differs from `len(steps)` means new keys (built again on the next read)
+    _by_step: tuple[int, dict[int, list[StepKey]]] = dataclasses.field(
+        default=(0, {}), init=False, repr=False, compare=False)
+
+    def _keys_at(self, step: int) -> list[StepKey]:
+        count, index = self._by_step
+        if count != len(self.steps):
+            index = {}
+            for key in self.steps:
+                index.setdefault(key[1], []).append(key)
+            self._by_step = (len(self.steps), index)
+        return index.get(step, [])
 
     def figures(self, step: int) -> list[float]:
         """Figures at `step` (the mean over the ranks that traced it), or (step -1) the mean over the steps this
         node ran in; parameters have no steps."""
         if not self.steps:
             return [0.0] * N_FIGURES
-        rows = list(self.steps.values()) if step < 0 else [f for (_, s), f in self.steps.items() if s == step]
+        rows = list(self.steps.values()) if step < 0 else [self.steps[key] for key in self._keys_at(step)]
         if len(rows) <= 1:
             return rows[0] if rows else [0.0] * N_FIGURES
         return [sum(values) / len(rows) for values in zip(*rows)]
 
     def ran_at(self, step: int) -> bool:
         """Whether this node ran at global step `step` (on any rank; step -1: at any step)."""
-        return bool(self.steps) and (step < 0 or any(s == step for _, s in self.steps))
+        return bool(self.steps) and (step < 0 or bool(self._keys_at(step)))
+
+    def add(self, key: StepKey, figures: list[float]) -> None:
+        """Add `figures` (one execution's, or a merged profile's step) to step `key`'s: counts, times and bytes
+        add up, the peak is the larger."""
+        mine = self.steps.get(key)
+        if mine is None:
+            self.steps[key] = [float(value) for value in figures]
+            return
+        for i, value in enumerate(figures):
+            mine[i] = max(mine[i], value) if i == PEAK else mine[i] + value
 
 
 @dataclasses.dataclass
@@ -101,6 +129,20 @@ class StepSummary:
     collective_waits: int = 0
     collectives: list[str] = dataclasses.field(default_factory=list)
 
+    def add(self, other: StepSummary) -> None:
+        """Add another run of the same step (of the same rank) to this one: times add up, the bytes in use at the
+        end are the later run's."""
+        self.step_micros += other.step_micros
+        self.data_wait_micros += other.data_wait_micros
+        self.busy_micros += other.busy_micros
+        self.gaps.extend(other.gaps)
+        for device, micros in other.accelerator_busy.items():
+            self.accelerator_busy[device] = self.accelerator_busy.get(device, 0.0) + micros
+        self.allocated.update(other.allocated)
+        self.collective_micros += other.collective_micros
+        self.collective_waits += other.collective_waits
+        self.collectives = sorted(set(self.collectives) | set(other.collectives))
+
 
 class ProfileData:
     """The accumulated nodes and steps; `Profiler` builds its views and advice on it."""
@@ -114,22 +156,26 @@ class ProfileData:
         return sorted({step for _, step in self.steps})
 
     def merge(self, other: ProfileData) -> None:
-        """Add `other`'s steps (another rank's, another run's) to these. A (rank, step) both hold is refused:
-        the same step of the same rank twice is no profile of one run."""
-        both = sorted(self.steps.keys() & other.steps.keys())
-        if both:
-            rank, step = both[0]
-            raise ValueError(f"merge: both profiles hold step {step} of rank {rank}; merge the profiles of "
-                             "different ranks (each rank's Profiler.serialize_to_string()).")
+        """Add a copy of `other`'s steps (another rank's, another run's) to these; a (rank, step) both hold adds
+        up, as `add_step` does (see the module doc). `other` is left as it was, and later changes to either
+        change only that one."""
         for name, theirs in other.nodes.items():
             mine = self.nodes.get(name)
             if mine is None:
-                self.nodes[name] = dataclasses.replace(theirs, steps=dict(theirs.steps), inputs=list(theirs.inputs))
+                self.nodes[name] = copy.deepcopy(theirs)
                 continue
-            mine.steps.update(theirs.steps)
+            for key, figures in theirs.steps.items():
+                mine.add(key, figures)
             mine.inputs += [source for source in theirs.inputs if source not in mine.inputs]
             mine.memory_device = mine.memory_device or theirs.memory_device
-        self.steps.update(other.steps)
+        for key, summary in other.steps.items():
+            self._add_summary(key, summary)
+
+    def _add_summary(self, key: StepKey, summary: StepSummary) -> None:
+        mine = self.steps.get(key)
+        if mine is None:
+            mine = self.steps[key] = StepSummary(summary.step, rank=summary.rank)
+        mine.add(summary)
 
     def add_model(self, model: Any, op_log: dict[str, list[str]] | None = None) -> None:
         """The model's parameters as `_trainable_variables` (or `_variables`) nodes with their counts."""
@@ -151,7 +197,7 @@ class ProfileData:
     def add_step(self, step: int, stats: StepStats, op_log: dict[str, list[str]] | None = None,
                  rank: int | None = None) -> None:
         """Accumulate one traced step of `rank` (default: the rank its stats say, else 0); adding the same step
-        twice adds up, as TF's add_step did."""
+        twice adds up, as TF's add_step did (see the module doc)."""
         if rank is None:
             rank = step_rank(stats)
         key = (rank, step)
@@ -185,24 +231,17 @@ class ProfileData:
                 if source not in data.inputs:
                     data.inputs.append(source)
             data.memory_device = memory_device.get(id(node), data.memory_device)
-            figures = data.steps.setdefault(key, [0.0] * N_FIGURES)
             cpu = exclusive.get(id(node), 0.0)
             accel = accelerator.get(id(node), 0.0)
             nbytes, residual = allocated.get(id(node), (0, 0))
             output = sum(t.nbytes or 0 for t in node.outputs or ()) + unread.get(id(node), 0)
-            figures[COUNT] += 1
-            figures[CPU] += cpu
-            figures[ACCEL] += accel
-            figures[MICROS] += cpu + accel
-            figures[BYTES] += nbytes
-            figures[PEAK] = max(figures[PEAK], float(nbytes))
-            figures[RESIDUAL] += residual
-            figures[OUTPUT] += output
-            figures[FLOPS] += (node.args or {}).get("flops", 0)
+            # (by position: COUNT, MICROS, CPU, ACCEL, BYTES, PEAK, RESIDUAL, OUTPUT, FLOPS)
+            data.add(key, [1.0, cpu + accel, cpu, accel, nbytes, float(nbytes), residual, output,
+                           (node.args or {}).get("flops", 0)])
         for name, types in (op_log or {}).items():
             if name in self.nodes:
                 self.nodes[name].op_types = sorted(set(self.nodes[name].op_types) | set(types))
-        self.steps[key] = _step_summary(step, rank, stats, ops, self.steps.get(key))
+        self._add_summary(key, _step_summary(step, rank, stats, ops))
 
 
 def step_rank(stats: StepStats) -> int:
@@ -287,10 +326,9 @@ def _accelerator_micros(stats: StepStats) -> dict[int, float]:
     return out
 
 
-def _step_summary(step: int, rank: int, stats: StepStats, ops: list[NodeExecStats], previous: StepSummary | None
-                  ) -> StepSummary:
+def _step_summary(step: int, rank: int, stats: StepStats, ops: list[NodeExecStats]) -> StepSummary:
     spans = {n.op: n for dev in stats.dev_stats for n in dev.node_stats if n.category == fmt.CAT_SPAN}
-    summary = previous or StepSummary(step, rank=rank)
+    summary = StepSummary(step, rank=rank)
     _add_collectives(summary, stats)
     train = spans.get(fmt.TRAIN_STEP)
     if train is not None:

@@ -92,7 +92,8 @@ class Profiler:
     def merge(self, other: Profiler) -> None:
         """Add another Profiler's steps to this one's: the ranks of a distributed run, each profiled in its own
         process, in one profile (`Profiler.load` each rank's `serialize_to_string()`), whose `advise()` then
-        compares the ranks. Refuses a step of a rank both hold."""
+        compares the ranks. A step of a rank both hold adds up, as `add_step` of the same step twice does (a
+        tfprof step groups the run metadata given for it). This profile gets its own copy of `other`'s."""
         if not isinstance(other, Profiler):
             raise TypeError(f"merge(other=...) must be a Profiler (another rank's), got {type(other).__name__}.")
         self._settle()

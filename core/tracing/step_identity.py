@@ -17,7 +17,8 @@ next ones:
   template.
 
 Templates live where steps are converted (the render worker, or the training process without one), by fit
-(`remember`, `recall`: a token per fit, the newest few fits kept). torch is not imported here.
+(`remember`, `recall`: a token per fit). A fit's template is its own: it goes when the fit ends (`release_fit`,
+registered with the fit's `FitRun`: here and in the render worker). torch is not imported here.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import threading
 from collections.abc import Hashable
 from typing import Any, NamedTuple
 
+from hookprof._runtime import worker
 from hookprof.step_stats import NodeExecStats, TensorDescription
 from hookprof.tracing.torch_dataflow import ALLOCATING_PLUMBING, Allocation, Block, EventTree, Read
 from hookprof.tracing.tracer import HOST_DEVICE
@@ -199,7 +201,8 @@ def apply_template(template: IdentityTemplate, rows: list[Row], instants: list[d
 
 
 class Templates:
-    """The newest template of each of the last few fits, by the fit's token (thread-safe)."""
+    """The newest template of each fit, by the fit's token, until the fit ends (`forget`); of fits that no
+    `FitRun` owns (a tracer driven by hand), the newest few (thread-safe)."""
 
     KEEP = 4
 
@@ -218,7 +221,33 @@ class Templates:
         with self._lock:
             return self._by_fit.get(token)
 
+    def forget(self, token: str) -> None:
+        with self._lock:
+            self._by_fit.pop(token, None)
+
+    def tokens(self) -> list[str]:
+        """The fits held, oldest first."""
+        with self._lock:
+            return list(self._by_fit)
+
 
 # Where this process converts steps (the render worker, or a training process without one), the templates of
-# the fits whose steps it converted: bounded to the newest few fits, each fit's newest template.
+# the fits whose steps it converted, each fit's newest.
 TEMPLATES = Templates()
+
+
+def held_fits() -> list[str]:
+    """The tokens of the fits whose templates this process holds (run in the render worker by `WORKER.call`)."""
+    return TEMPLATES.tokens()
+
+
+def forget_here(token: str) -> None:
+    """Forget fit `token`'s template in this process (run in the render worker by `release_fit`)."""
+    TEMPLATES.forget(token)
+
+
+def release_fit(token: str) -> None:
+    """Fit `token` ended (its `FitRun` closes, after its hooks flushed what they traced): its template goes,
+    here and in the render worker, if one runs."""
+    TEMPLATES.forget(token)
+    worker.WORKER.tell(forget_here, token)

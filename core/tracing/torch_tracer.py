@@ -24,12 +24,14 @@ from typing import Any
 
 import torch
 
+from hookprof._runtime.fit_run import on_fit_end
 from hookprof._runtime.gc_pause import paused_gc
 from hookprof._runtime.private_dir import PrivateDirectory
 from hookprof.naming import root_label
 from hookprof.run_options import RunOptions, TraceLevel
 from hookprof.step_stats import StepStats
 from hookprof.tracing.kineto_trace import BORROW, MODULE_PREFIX, NO_TEMPLATE, RECORD, KinetoExport
+from hookprof.tracing.step_identity import release_fit
 from hookprof.tracing.torch_dataflow import event_tree
 from hookprof.tracing.torch_private import (
     export_only_config,
@@ -112,6 +114,8 @@ class _Identities:
 
     def __init__(self) -> None:
         self.token = uuid.uuid4().hex
+        # (made in the fit's context, at its first traced step: its template goes when the fit ends)
+        on_fit_end(("tensor identities", self.token), release_fit, self.token)
         self.recorded = False  # a step's identities were exported for the next ones
         self.mismatches = 0
         self._lock = threading.Lock()  # (mismatches are told from the render thread)
