@@ -23,6 +23,8 @@ the previous traced step's background work is done); and the share of our traced
 end plus the background job: conversion, timeline, TensorBoard events) spent building the step graph and run
 metadata (`hookprof.tensorboard.graph.run_metadata_events`).
 
+Also the idle cost: the every-10th fit's length with a `ProfilerHook` that traces nothing, against the same fit
+without it (whole fit times).
 Also the extra CPU time per traced step, of the training process and the render worker together
 (`time.process_time`, the reaped children's `getrusage`, and a running worker's `/proc/<pid>/stat`; the
 peer has no worker): on a machine whose
@@ -200,6 +202,8 @@ def fit(model: MLP, steps: int, kind: tuple) -> tuple[float, object, float]:
     callback = None
     if kind[0] == "torch":
         callback = TorchProfilerPeer(kind[1], out, kind[2])
+    elif kind[0] == "idle":  # hookprof on, tracing nothing: its whole cost on untraced steps
+        callback = HookCallback([ProfilerHook(save_steps=10**9, output_dir=out)])
     elif kind[0] == "ours":
         callback = TimedCallback(TimedProfilerHook(save_steps=kind[1], output_dir=out, **CONTENTS[kind[2]][0]))
         # (no step borrows tensor identities when none may give up on them)
@@ -255,6 +259,7 @@ def main():
         for every in schedules:
             kinds += [("none", every), ("torch", every, False), ("torch", every, True)]
             kinds += [("ours", every, content) for content in CONTENTS]
+        kinds.append(("idle", max(schedules)))  # (in the every-10th fits' length: the longest untraced fits)
         if layers < 1000:
             for kind in kinds[:4]:
                 fit(model, schedules[kind[1]], kind)  # warm up (the largest model's rounds run after these)
@@ -289,6 +294,11 @@ def main():
                 share = f"{_ms(graph)} / {_ms(own)} = {graph / own:.0%}"
             print(f"| {layers} layers ({events:,}) | {content} | {cells[0]} | {cells[1]} | {cells[2]} | {cells[3]} | "
                   f"{_ms(wait)} / {_ms(stop)} = {wait / stop:.2f}x | {_ms(start)} | {share} |", flush=True)
+        every = max(schedules)
+        idle = statistics.median(run[0] for run in runs[("idle", every)])
+        none = statistics.median(run[0] for run in runs[("none", every)])
+        print(f"(idle: a {schedules[every]}-step fit with a ProfilerHook that traces nothing / without it: "
+              f"{idle:.2f} s / {none:.2f} s = {idle / none:.3f}x)", flush=True)
         print(f"(load average after {layers} layers: {', '.join(f'{x:.1f}' for x in os.getloadavg())})", flush=True)
         del model
 
