@@ -18,6 +18,7 @@ from typing import Any
 
 from hookprof import hooks
 from hookprof._runtime.atomic_file import atomic_write
+from hookprof._runtime.private_dir import claimed_directory
 from hookprof.hooks.adapter import Adapter, callback_class
 from keras_prof.hook_callback import HookCallback, event_sink
 
@@ -39,6 +40,9 @@ def model_saver(session: Any) -> Callable[[str], str | None]:
     return save
 
 
+SAVE_DIR_PREFIX = ".keras-save-"  # an older Keras's scratch directory beside the checkpoint (`save_through_directory`)
+
+
 def _save_model(model: Any, fileobj: Any, directory: str) -> None:
     try:
         from keras.src.saving import saving_lib
@@ -46,11 +50,16 @@ def _save_model(model: Any, fileobj: Any, directory: str) -> None:
         saving_lib = None
     if saving_lib is not None and hasattr(saving_lib, "save_model"):
         saving_lib.save_model(model, fileobj)  # (Keras' public `model.save` takes file objects only here)
-        return
-    import tempfile
+    else:
+        save_through_directory(model, fileobj, directory)
 
-    # beside the checkpoint, not in TMPDIR: a full TMPDIR (another filesystem) must not cost the checkpoint
-    with tempfile.TemporaryDirectory(dir=directory, prefix=".keras-save-") as tmp:
+
+def save_through_directory(model: Any, fileobj: Any, directory: str) -> None:
+    """`model.save` into a scratch directory in `directory`, copied into `fileobj` (a Keras whose save takes a
+    path only)."""
+    # beside the checkpoint, not in TMPDIR: a full TMPDIR (another filesystem) must not cost the checkpoint;
+    # claimed by a lock while the save runs, so a save killed midway leaves nothing the next one keeps
+    with claimed_directory(SAVE_DIR_PREFIX, directory) as tmp:
         path = os.path.join(tmp, "model.keras")
         model.save(path)
         with open(path, "rb") as src:

@@ -21,6 +21,7 @@ import os
 import sys
 import weakref
 from collections.abc import Sequence
+from types import FrameType
 from typing import Any
 
 import keras
@@ -174,7 +175,9 @@ class _Fit:
         for member in self.members:
             member._follows = member is not leader
         leader._driver, leader._session = self.driver, self.session
-        self.driver.begin()
+        callbacks = self._callbacks() if self._callbacks is not None else None
+        # (a fit that fails outside its step tells no callback: its run ends with this frame)
+        self.driver.begin(_fit_frame(self.model, callbacks) if callbacks is not None else None)
         self.driver.after_create_session(self.session)
         return self.driver
 
@@ -208,15 +211,24 @@ class _Fit:
 def _fit_callbacks(model: keras.Model, wanted: Any = None) -> weakref.ref | None:
     """A weak reference to the `CallbackList` of the innermost `model.fit` on this thread's stack (the one
     `wanted`, if given), or None (a weak one: a failed fit's traceback must not keep more of it alive)."""
+    frame = _fit_frame(model, wanted)
+    if frame is None:
+        return None
+    try:
+        return weakref.ref(frame.f_locals["callbacks"])
+    except TypeError:
+        return None
+
+
+def _fit_frame(model: keras.Model, wanted: Any = None) -> FrameType | None:
+    """The frame of the innermost `model.fit` on this thread's stack (the one whose `CallbackList` is `wanted`,
+    if given), or None."""
     frame = sys._getframe(1)
     while frame is not None:
         if frame.f_code.co_name == "fit" and frame.f_locals.get("self") is model:
             callbacks = frame.f_locals.get("callbacks")
             if callbacks is not None and (wanted is None or callbacks is wanted):
-                try:
-                    return weakref.ref(callbacks)
-                except TypeError:
-                    return None
+                return frame
         frame = frame.f_back
     return None
 

@@ -51,10 +51,12 @@ class SleepyData(Dataset):
 
 
 def fit_and_advise(model, tmp_path, capsys, data=None):
-    """Trace every step of a 4-step fit into a Profiler; return it, its advice, and what advise() printed."""
+    """Trace every 4th step of a 16-step fit into a Profiler (each traced step follows untraced ones, long after
+    the last traced step's conversion: the input checker's evidence, which needs 3 such steps); return it, its
+    advice, and what advise() printed."""
     prof = Profiler(model)
-    hook = ProfilerHook(save_steps=1, profiler=prof, output_dir=str(tmp_path), tensorboard=False, with_stack=True)
-    trainer(str(tmp_path), [hook], 4).fit(model, data or loader())
+    hook = ProfilerHook(save_steps=4, profiler=prof, output_dir=str(tmp_path), tensorboard=False, with_stack=True)
+    trainer(str(tmp_path), [hook], 16).fit(model, data or loader())
     capsys.readouterr()  # drop the fit's own output
     advice = prof.advise()
     printed = capsys.readouterr().out
@@ -112,7 +114,7 @@ def test_a_slow_dataloader_is_named_once_as_an_input_stall(tmp_path, capsys):
     assert checker == "InputPipelineChecker" and line.startswith("Input stall: each step waits "), line
     evidence = advice["InputPipelineChecker"]["findings"][0]["evidence"]
     assert evidence["data_wait_us"] >= 8 * 4000  # the sleeps, at least
-    assert evidence["steps"] == [2]  # steps 3 and 4 follow traced steps: their wait holds the tracer's own work
+    assert evidence["steps"] == [4, 8, 12, 16]  # (each after an untraced step: a traced one's wait holds its work)
     assert list(advice)[0] == "InputPipelineChecker"
     assert printed.startswith(f"\nInputPipelineChecker:\n{line}\n")
 

@@ -160,7 +160,7 @@ def test_capture_options_defaults_and_the_hooks_argument(tmp_path):
     import dataclasses
 
     assert {f.name: f.default for f in dataclasses.fields(CaptureOptions)} == {
-        "render_worker": True, "render_timeout_seconds": 300.0, "render_wait_seconds": 10.0, "max_pending_writes": 2,
+        "render_worker": True, "render_timeout_seconds": 300.0, "render_stall_seconds": 10.0, "max_pending_writes": 2,
         "write_grace_seconds": 0.05, "profile_tab": True}  # (docs/hooks.md's table says these)
     CaptureOptions(write_grace_seconds=0)  # 0 (no grace) is accepted, unlike other seconds
     assert hookprof.CaptureOptions is CaptureOptions

@@ -736,3 +736,46 @@ def test_tampered_hook_state_in_a_checkpoint_is_said_once_and_the_schedule_start
     assert resumed == [12, 16]  # as a resume without a saved schedule: from the last multiple of save_steps
     (warning,) = [r.getMessage() for r in caplog.records if "ignores" in r.getMessage()]
     assert why in warning and "ProfilerHook" in warning
+
+
+def test_an_older_keras_saves_through_a_claimed_scratch_directory_and_sweeps_dead_ones(tmp_dir):
+    """An older Keras saves to a path only: the model goes through a scratch directory beside the checkpoint,
+    claimed by a lock while the save runs. A save killed midway (a process that died inside it) leaves one that
+    the next save removes; a live process's, mid-save, is left alone; the fit's own leave nothing."""
+    import signal
+    import subprocess
+    import sys
+    import textwrap
+
+    from keras_prof.callbacks import save_through_directory
+
+    def held(then):  # a process inside a save's scratch directory in tmp_dir; `then` ends it
+        return subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+            import os, sys, time
+            from hookprof._runtime.private_dir import claimed_directory
+            with claimed_directory(".keras-save-", {tmp_dir!r}) as path:
+                print(path, flush=True)
+                {then}
+        """)], stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+
+    live = held("time.sleep(600)")
+    dead = None
+    try:
+        live_path = live.stdout.readline().strip()
+        dead = held("os._exit(0)")  # (after the live one's claim, which swept; os._exit: nothing cleaned)
+        dead_path = dead.stdout.readline().strip()
+        dead.wait(30)
+        assert os.path.isdir(dead_path) and os.path.isdir(live_path)
+        model = _keras_model()
+        target = os.path.join(tmp_dir, "model.keras")
+        with open(target, "wb") as out:
+            save_through_directory(model, out, tmp_dir)  # (on this Keras too: its save takes a path)
+        assert keras.models.load_model(target).count_params() == model.count_params()  # whole, loadable
+        left = sorted(name for name in os.listdir(tmp_dir) if name.startswith(".keras-save-"))
+        assert left == [os.path.basename(live_path)]  # the dead one's swept, the live one's kept, ours gone
+    finally:
+        live.send_signal(signal.SIGKILL)
+        live.wait()
+        for process in (dead, live):
+            if process is not None:
+                process.stdout.close()

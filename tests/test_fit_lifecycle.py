@@ -169,6 +169,44 @@ def test_keras_fit_failing_outside_its_step_leaves_no_profiler_and_the_next_fit_
     assert recording.names()[-1] == "end"
 
 
+@pytest.mark.parametrize("thread_ends", [True, False])
+def test_a_keras_fit_that_failed_in_another_thread_does_not_keep_the_next_fits_worker_running(tmp_dir,
+                                                                                               thread_ends):
+    """A Keras fit in another thread whose data fails after traced steps (Keras tells no callback) counts as
+    open no longer than its `Model.fit` call runs: a later fit of another model, in the main thread, stops
+    the render worker and the threads at its end, whether the failed fit's thread has ended or lives on."""
+    failed, go_on = [], threading.Event()
+    hook = KerasProfilerHook(save_steps=2, output_dir=os.path.join(tmp_dir, "thread"))  # (kept, as a user might)
+
+    def fit_in_thread():
+        try:
+            keras_model().fit(failing_batches(5), epochs=1, steps_per_epoch=8, callbacks=[hook], verbose=0)
+        except RuntimeError as err:
+            failed.append(err)
+        if not thread_ends:
+            go_on.wait(120)  # (a thread that lives on: a pool's, a server's)
+
+    thread = threading.Thread(target=fit_in_thread, name="user-fit")
+    thread.start()
+    try:
+        for _ in range(1200):
+            if failed or not thread.is_alive():
+                break
+            threading.Event().wait(0.1)
+        assert [str(err) for err in failed] == ["the data failed"]
+        assert [os.path.basename(p) for p in hook.hook.saved_paths][:1] == ["timeline-2.json"]  # (the worker ran)
+        if thread_ends:
+            thread.join(60)
+        other = os.path.join(tmp_dir, "main")
+        keras_model().fit(*keras_data(), batch_size=8, epochs=1, verbose=0,
+                          callbacks=[KerasProfilerHook(save_steps=2, output_dir=other)])
+        assert timeline_steps(other)[:1] == [2]
+        assert leftovers() == []
+    finally:
+        go_on.set()
+        thread.join(60)
+
+
 def test_a_fit_run_stops_what_registered_newest_first_once_and_outside_a_fit_nothing_registers():
     contextvars.Context().run(_fit_run_order)  # (a context of its own: no run left current by another test)
 

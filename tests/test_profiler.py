@@ -515,8 +515,8 @@ class SleepyData(Dataset):
 
 def advice_for(model, tmp_dir, data=None):
     prof = Profiler(model)
-    hook = ProfilerHook(save_steps=1, output_dir=tmp_dir, profiler=prof, with_stack=True, tensorboard=False)
-    trainer(tmp_dir, [hook], 4).fit(model, data or loader())
+    hook = ProfilerHook(save_steps=4, output_dir=tmp_dir, profiler=prof, with_stack=True, tensorboard=False)
+    trainer(tmp_dir, [hook], 16).fit(model, data or loader())  # (steps 4, 8, 12, 16: each after untraced ones)
     return prof.advise()
 
 

@@ -8,16 +8,21 @@ hand-driven tracer, a test) finds no run and keeps the process-level fallback it
 
 The current run is a `ContextVar`: each thread's context has its own, and the training thread, where the
 framework calls the callbacks, is where fits begin and end. What several fits at once share (hookprof's
-background threads, the render worker) is stopped by the last of them to end (`close_run` says which).
+background threads, the render worker) is stopped by the last of them to end (`close_run` says which). A fit
+that ended without telling anyone (Keras calls no callback when a fit fails outside its step: in the data, in
+another callback) is no longer counted once its thread has ended or, where its driver named the frame of the
+framework's fit call, once that frame has left its thread's stack: its stops run then, from the next fit to end.
 """
 
 from __future__ import annotations
 
 import contextvars
 import logging
+import sys
 import threading
 import weakref
 from collections.abc import Callable
+from types import FrameType
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -26,10 +31,28 @@ log = logging.getLogger(__name__)
 class FitRun:
     """Stops registered by what a fit started, run once, newest first, when the fit ends."""
 
-    def __init__(self, traces: Any = None) -> None:
+    def __init__(self, traces: Any = None, fit_frame: FrameType | None = None) -> None:
         self._stops: list[tuple[Any, Callable[..., Any], tuple[Any, ...]]] = []
         self.closed = False
         self.traces = traces  # the fit's step trace coordinator (`hookprof.tracing.fit_traces()`)
+        self._thread = threading.current_thread()
+        # the framework's fit call, by identity only (holding the frame would keep the fit's locals alive)
+        self._frame = None if fit_frame is None else (id(fit_frame), fit_frame.f_code)
+
+    def running(self) -> bool:
+        """Whether the fit may still run: its thread lives and, if its frame was named, has it on its stack."""
+        thread = self._thread
+        if not thread.is_alive():
+            return False
+        if self._frame is None:
+            return True
+        frame_id, code = self._frame
+        frame = sys._current_frames().get(thread.ident)
+        while frame is not None:
+            if id(frame) == frame_id and frame.f_code is code:
+                return True
+            frame = frame.f_back
+        return False
 
     def on_end(self, key: Any, stop: Callable[..., Any], *args: Any) -> None:
         """Run `stop(*args)` when the fit ends; a second registration under the same `key` is ignored (the
@@ -58,13 +81,14 @@ _OPEN: weakref.WeakSet[FitRun] = weakref.WeakSet()  # the runs open in any conte
 _OPENING = threading.Lock()
 
 
-def open_run(traces: Any = None) -> FitRun:
+def open_run(traces: Any = None, fit_frame: FrameType | None = None) -> FitRun:
     """A new run, current from now on in this context (a run still open here is closed first); `traces`: the
-    fit's step trace coordinator."""
+    fit's step trace coordinator; `fit_frame`: the frame of the framework's fit call, where the driver knows
+    it (the run counts as open no longer than that frame runs)."""
     previous = _CURRENT.get()
     if previous is not None:
         close_run(previous)
-    run = FitRun(traces)
+    run = FitRun(traces, fit_frame)
     with _OPENING:
         _OPEN.add(run)
     _CURRENT.set(run)
@@ -79,7 +103,12 @@ def close_run(run: FitRun) -> bool:
         _CURRENT.set(None)
     with _OPENING:
         _OPEN.discard(run)
-        return not _OPEN
+        ended = [other for other in _OPEN if not other.running()]  # (failed fits that told no one)
+        _OPEN.difference_update(ended)
+        alone = not _OPEN
+    for other in ended:
+        other.close()
+    return alone
 
 
 def current_run() -> FitRun | None:

@@ -7,6 +7,7 @@ process's locks). A pid alone would not do: two containers sharing `/tmp` have s
 a live neighbour's pid can look dead (or be reused) from here, and its live directory would be removed.
 
 A directory removed under its owner (a tmp cleaner, `rm -rf /tmp/*`) is made again at the next use.
+`claimed_directory` is one for the length of a `with` (a save's scratch space beside its target).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import re
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
 
 from hookprof._runtime.atomic_file import process_alive, remove_entries
 
@@ -65,6 +67,17 @@ class PrivateDirectory:
             shutil.rmtree(path, ignore_errors=True)
         with contextlib.suppress(OSError):
             os.close(fd)
+
+
+@contextlib.contextmanager
+def claimed_directory(prefix: str, parent: str) -> Iterator[str]:
+    """A private directory in `parent` (`<prefix><pid>-<random>`, claimed by its lock as `PrivateDirectory`'s
+    are, the stale ones of dead processes swept first) for the length of the `with`; removed after."""
+    owned = PrivateDirectory(prefix, parent)
+    try:
+        yield owned.path()
+    finally:
+        owned.release()
 
 
 def remove_unclaimed(parent: str, pattern: re.Pattern[str]) -> list[str]:

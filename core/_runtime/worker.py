@@ -17,7 +17,10 @@ released. Details:
 - It ends when the training process closes its pipe (at exit) or dies.
 - Its hookprof log records come back with each result and are logged here, as if here.
 - A worker that dies mid-call (killed, out of memory) raises `WorkerFailed` here, as does one that has not
-  answered within the call's `timeout` (it is stopped). The next call starts a new one. A worker that dies
+  answered within the call's `timeout`, or that has answered before and then used no CPU for the call's `stall`
+  seconds (it hangs: stopped with SIGSTOP, stuck on a stalled disk; Linux, where `/proc` shows its CPU time):
+  it is killed. A slow worker (a loaded machine) is never judged so, nor is one that has not answered yet (it
+  starts: an interpreter and its imports). The next call starts a new one. A worker that dies
   before ever answering (it cannot import hookprof from here) makes every later call raise OSError at once:
   the caller does the work itself.
 - Linux and macOS only (`AVAILABLE`); elsewhere the caller does the work on its own thread.
@@ -74,12 +77,13 @@ class Worker:
             finally:
                 self._lock.release()
 
-    def call(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None) -> Any:
-        """`fn(*args)` in the worker. Raises `WorkerFailed` when the worker dies, `fn` raises there or it has
-        not answered after `timeout` seconds (the worker is stopped then: a hung one must not hold up the
-        training process's end); OSError when no worker can run here (it cannot start, or the first one
-        died before answering)."""
-        return self._call(fn, args, timeout, start=True)
+    def call(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None,
+             stall: float | None = None) -> Any:
+        """`fn(*args)` in the worker. Raises `WorkerFailed` when the worker dies, `fn` raises there, it has
+        not answered after `timeout` seconds, or, having answered a call before, it used no CPU for `stall`
+        seconds (it is killed then: a hung one must not hold up the training process's end); OSError when no
+        worker can run here (it cannot start, or the first one died before answering)."""
+        return self._call(fn, args, timeout, start=True, stall=stall)
 
     def tell(self, fn: Callable[..., Any], *args: Any, timeout: float = _EXIT_SECONDS) -> None:
         """`fn(*args)` in the worker if one runs, for what it holds (a fit's end: what it kept for that fit); none
@@ -90,7 +94,8 @@ class Worker:
         except (WorkerFailed, OSError) as err:
             log.debug("The render worker could not run %s: %s", getattr(fn, "__name__", fn), err)
 
-    def _call(self, fn: Callable[..., Any], args: tuple[Any, ...], timeout: float | None, start: bool) -> Any:
+    def _call(self, fn: Callable[..., Any], args: tuple[Any, ...], timeout: float | None, start: bool,
+              stall: float | None = None) -> Any:
         request = pickle.dumps((fn, args), protocol=pickle.HIGHEST_PROTOCOL)
         with self._lock:
             process = self._process
@@ -100,9 +105,14 @@ class Worker:
                 return None  # (one still starting holds nothing yet)
             reply = None
             deadline = None if timeout is None else time.monotonic() + timeout
+            peer = _Progress(process, stall) if stall is not None and self._answered else process
             try:
-                _send_within(process.stdin.fileno(), request, process, deadline)
-                reply = _receive(process.stdout.fileno(), process, deadline)
+                _send_within(process.stdin.fileno(), request, peer, deadline)
+                reply = _receive(process.stdout.fileno(), peer, deadline)
+            except _Stalled:
+                self._discard(process)
+                raise WorkerFailed(f"the render worker used no CPU for {stall:g} s (hung: stopped, or stuck on "
+                                   "its disk) and was killed; a new one renders the next steps") from None
             except TimeoutError:
                 self._discard(process)
                 raise WorkerFailed(f"the render worker took more than {timeout:g} s and was stopped") from None
@@ -174,14 +184,6 @@ class Worker:
         and its imports take a second or more on a loaded machine)."""
         return self._process is not None and self._answered
 
-    def kill(self) -> None:
-        """Kill the running worker at once (it hangs: the training process judged so); a call waiting on it fails
-        with `WorkerFailed`, and the next call starts a new worker. Safe from any thread."""
-        process = self._process
-        if process is not None:
-            with contextlib.suppress(OSError):
-                process.kill()
-
     def _forget(self) -> None:
         """In a forked child (a DataLoader worker): the worker is the parent's; this process starts its own
         if it ever needs one."""
@@ -207,7 +209,7 @@ def _send(out: IO[bytes], data: bytes) -> None:
     out.flush()
 
 
-def _send_within(fd: int, data: bytes, peer: subprocess.Popen, deadline: float | None) -> None:
+def _send_within(fd: int, data: bytes, peer: subprocess.Popen | _Progress, deadline: float | None) -> None:
     """One length-prefixed message to the worker, written as the pipe takes it: a worker that stopped reading
     (it hangs: stopped, stalled) fills the pipe, and a blocking write would wait for ever. Raises TimeoutError
     once `deadline` has passed, BrokenPipeError when the worker is gone."""
@@ -230,10 +232,10 @@ def _send_within(fd: int, data: bytes, peer: subprocess.Popen, deadline: float |
             continue
 
 
-def _receive(fd: int, peer: subprocess.Popen | int, deadline: float | None = None) -> bytes | None:
+def _receive(fd: int, peer: subprocess.Popen | _Progress | int, deadline: float | None = None) -> bytes | None:
     """One length-prefixed message from `fd`; None when the other side ended before sending it whole (it
-    died, or closed the pipe). `peer`: the worker's process here, the training process's pid there.
-    Raises TimeoutError once `deadline` (`time.monotonic()`) has passed."""
+    died, or closed the pipe). `peer`: the worker's process (or its `_Progress`) here, the training process's pid
+    there. Raises TimeoutError once `deadline` (`time.monotonic()`) has passed."""
     poller = select.poll()  # (not select.select: a descriptor may be 1024 or more)
     poller.register(fd, select.POLLIN)
     buffer = bytearray()
@@ -255,9 +257,49 @@ def _receive(fd: int, peer: subprocess.Popen | int, deadline: float | None = Non
     return bytes(memoryview(buffer)[_LENGTH.size:want])
 
 
-def _gone(peer: subprocess.Popen | int) -> bool:
+class _Stalled(TimeoutError):
+    """The worker used no CPU for the call's `stall` seconds."""
+
+
+def cpu_ticks(pid: int) -> int | None:
+    """The CPU time process `pid` has used so far, in clock ticks (user and system, from `/proc/<pid>/stat`);
+    None where that cannot be read (not Linux, the process gone)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            fields = stat.read().rsplit(b")", 1)[1].split()
+        return int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat(5))
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+class _Progress:
+    """The worker during a call that judges stalls: `stalled()` once it has used no CPU for `stall` seconds
+    (checked each time a wait for it times out). Where its CPU time cannot be read it is never judged so."""
+
+    __slots__ = ("process", "stall", "_ticks", "_since")
+
+    def __init__(self, process: subprocess.Popen, stall: float) -> None:
+        self.process, self.stall = process, stall
+        self._ticks, self._since = cpu_ticks(process.pid), time.monotonic()
+
+    def stalled(self) -> bool:
+        ticks, now = cpu_ticks(self.process.pid), time.monotonic()
+        if ticks is None or ticks != self._ticks:
+            self._ticks, self._since = ticks, now
+            return False
+        return now - self._since >= self.stall
+
+
+def _gone(peer: subprocess.Popen | _Progress | int) -> bool:
+    """Whether the other side ended; raises `_Stalled` when it lives but stalled (`_Progress`)."""
     if isinstance(peer, int):
         return os.getppid() != peer
+    if isinstance(peer, _Progress):
+        if peer.process.poll() is not None:
+            return True
+        if peer.stalled():
+            raise _Stalled
+        return False
     return peer.poll() is not None
 
 

@@ -44,6 +44,9 @@ log = logging.getLogger("hookprof.hooks.profiler_hook")
 # name, so its module), what it converts and renders with, and what its results are made of.
 WORKER_MODULES = ("hookprof.hooks.capture", "hookprof.tracing.kineto_trace", "hookprof.tensorboard.graph",
                   "tensorboard.compat.proto.event_pb2", "orjson", "google.protobuf.descriptor_pool")
+# The least a traced step waits for the render worker to finish the previous one before it is dropped instead
+# (`CapturePipeline.save`): a tiny step costs milliseconds, less than a loaded machine's scheduling delays.
+RENDER_WAIT_FLOOR_SECONDS = 0.25
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,11 +60,16 @@ class CaptureOptions:
             and the worker stopped: a hung worker (a stalled TMPDIR, say) must not hold up the fit's end. At the
             worker's pace (tens of microseconds an event at most) 300 s leaves a wide margin for steps of
             millions of events.
-        render_wait_seconds: how long training waits for the worker, at most, beyond three times its slowest
-            render so far: the next traced step (or the fit's end) waits for the step being rendered; a worker
-            that takes longer is judged hung (stopped with SIGSTOP, stalled): it is killed, its step dropped
-            (counted in `dropped_outputs`, one warning) and a new worker renders the next steps. A worker that
-            has not answered yet (starting: its interpreter and imports) is bounded by `render_timeout_seconds`.
+        render_stall_seconds: a worker that has rendered a step before and then uses no CPU for this long while
+            it has a step (stopped with SIGSTOP, stuck on a stalled disk) is judged hung, off the training
+            thread: it is killed, its step dropped (counted in `dropped_outputs`, one warning) and a new worker
+            renders the next steps. A slow worker (a loaded machine) still uses CPU and is never judged so, nor
+            is one still starting (its interpreter and imports): `render_timeout_seconds` bounds those. Where
+            a process's CPU time cannot be read (not Linux) only `render_timeout_seconds` applies. The training
+            thread never waits for the worker this long: a traced step whose turn comes while the worker still
+            renders the previous one waits at most its own cost (`RENDER_WAIT_FLOOR_SECONDS` at least), then
+            is dropped (counted in `dropped_outputs`, one warning); a worker still starting is given this long
+            before a step is dropped so.
         max_pending_writes: traced steps rendered and waiting for the disk, at most (each is held in memory
             until written): past that a step due to be traced is not, and is counted (`skipped_traces`, and the
             next file's metadata `skipped_traces`).
@@ -75,7 +83,7 @@ class CaptureOptions:
 
     render_worker: bool = True
     render_timeout_seconds: float = 300.0
-    render_wait_seconds: float = 10.0
+    render_stall_seconds: float = 10.0
     max_pending_writes: int = 2
     write_grace_seconds: float = 0.05
     profile_tab: bool = True
@@ -84,7 +92,7 @@ class CaptureOptions:
         owner = type(self).__name__
         arguments.check_bool(owner, "render_worker", self.render_worker)
         arguments.check_seconds(owner, "render_timeout_seconds", self.render_timeout_seconds)
-        arguments.check_seconds(owner, "render_wait_seconds", self.render_wait_seconds)
+        arguments.check_seconds(owner, "render_stall_seconds", self.render_stall_seconds)
         arguments.check_positive_int(owner, "max_pending_writes", self.max_pending_writes)
         arguments.check_bool(owner, "profile_tab", self.profile_tab)
         grace = self.write_grace_seconds
@@ -364,7 +372,6 @@ class CapturePipeline:
         self._saved_paths: list[str] = []
         self._pending: BackgroundJob | None = None  # the background job of the last traced step
         self._rendering: BackgroundJob | None = None  # the last job waiting for the render worker (RENDERS)
-        self._slowest_render = 0.0  # seconds, of the worker's renders that came back
         self._run_paths: set[str] = set()  # the timelines this run wrote (another fit's are never overwritten)
         self._writes: collections.deque[BackgroundJob] = collections.deque()  # on the disk's worker, in order
         self._last_graph: tuple[int, bytes | None] = (0, None)  # (id of the run's event stream, graph digest)
@@ -440,7 +447,8 @@ class CapturePipeline:
         """Wait until every step handed over so far is on disk (files, TensorBoard, the Profiler)."""
         if self._pending is not None:
             self._pending.wait()  # the jobs run in order: the last one done, all are
-        self._await_render()  # (and so do the render worker's, which the background jobs fed)
+        if self._rendering is not None:
+            self._rendering.wait()  # and so do the render worker's (a hung one is killed on its own thread)
         if self._writes:
             self._writes[-1].wait()  # and so do the disk's
             self._writes.clear()
@@ -453,6 +461,7 @@ class CapturePipeline:
         where no worker can run, or when someone converted the step already, convert and render it here and
         add it to the Profiler."""
         if self.uses_worker():
+            started = time.monotonic()
             try:
                 exported = job.run_metadata.export()
             except OSError as err:  # no room in the temporary directory for kineto's export
@@ -465,10 +474,18 @@ class CapturePipeline:
                 self._warn_once("convert", "Collecting the traced step failed; it has no timeline.", exc_info=True)
                 return
             if exported is not None:
-                # One step renders while the next is exported, no more: a schedule faster than the worker makes
-                # the next traced step wait here (the coordinator waits for this thread), rather than piling
-                # exports up in TMPDIR and memory; a hung worker is not waited for long.
-                self._await_render()
+                # One step renders while the next is exported, no more (exports must not pile up in TMPDIR and
+                # memory); the next traced step waits for this thread, so this one waits for the worker no
+                # longer than the step itself cost (its trace and its export), then is dropped.
+                cost = time.monotonic() - started + getattr(exported, "step_seconds", 0.0)
+                budget = max(RENDER_WAIT_FLOOR_SECONDS, cost)
+                if not self._render_turn(budget):
+                    count_dropped(self._counts)
+                    self._warn_once("busy", "The render worker was still rendering the previous traced step when "
+                                    "step %d was ready: rather than hold training up longer than the step cost "
+                                    "(waited %.2f s), step %d has no timeline (counted in dropped_outputs). Trace "
+                                    "less often to keep every traced step.", job.step, budget, job.step)
+                    return
                 self._rendering = RENDERS.submit(lambda: self.finish(job, self.render_elsewhere(job, exported)))
                 return
         stats = job.run_metadata.step_stats
@@ -479,30 +496,21 @@ class CapturePipeline:
             except Exception:  # the Profiler's bug must not cost the timeline or the run
                 self._warn_once("profiler", "Profiler.add_step(%d) failed.", job.step, exc_info=True)
 
-    def _await_render(self) -> None:
-        """Wait for the step the render worker has, for at most `render_wait_seconds` beyond three times its
-        slowest render: past that it is judged hung and killed (its call fails, its step is dropped and said),
-        and the next call starts a new worker."""
+    def _render_turn(self, budget: float) -> bool:
+        """Whether the render worker is done with the step it was given, after waiting `budget` seconds at
+        most (`render_stall_seconds` while the worker has not answered yet: it is starting). A hung worker is
+        judged and killed on `RENDERS`, not here (`hookprof._runtime.worker`)."""
         rendering = self._rendering
         if rendering is None:
-            return
-        patience = self.options.render_wait_seconds + 3 * self._slowest_render
-        if rendering.wait(patience) or not worker.WORKER.answered:
-            rendering.wait()  # (a worker that has not answered yet is starting: its timeout bounds it)
-            return
-        self._warn_once("hung", "The render worker has not rendered a traced step in %.1f s (its slowest render "
-                        "took %.1f s): it is killed and a new one renders the next steps (CaptureOptions("
-                        "render_wait_seconds=%g)).", patience, self._slowest_render, self.options.render_wait_seconds)
-        worker.WORKER.kill()
-        rendering.wait()
+            return True
+        return rendering.wait(budget if worker.WORKER.answered else self.options.render_stall_seconds)
 
     def render_elsewhere(self, job: Job, exported: Any) -> Rendered | None:
         """On `RENDERS`: the step rendered by the render worker (here if none can start)."""
         try:
-            started = time.monotonic()
             rendered = worker.WORKER.call(render_step, exported, self.writer, job.spec,
-                                          timeout=self.options.render_timeout_seconds)
-            self._slowest_render = max(self._slowest_render, time.monotonic() - started)
+                                          timeout=self.options.render_timeout_seconds,
+                                          stall=self.options.render_stall_seconds)
             on_mismatch = getattr(exported, "on_mismatch", None)  # (the worker's copy of the step has none)
             if rendered.dataflow_missing is not None and on_mismatch is not None:
                 on_mismatch(rendered.dataflow_missing)

@@ -17,6 +17,7 @@ import contextvars
 import dataclasses
 import logging
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
+from types import FrameType
 from typing import Any
 
 from hookprof._runtime import worker
@@ -129,8 +130,10 @@ class HookedSession:
         checks = [getattr(hook, "quiet_on", None) for hook in self.hooks]
         self._quiet_checks = checks if all(callable(check) for check in checks) else None
 
-    def begin(self) -> None:
-        self._run = open_run(self._traces)
+    def begin(self, fit_frame: FrameType | None = None) -> None:
+        """`begin()` for every hook; `fit_frame`: the frame of the framework's fit call, where the adapter knows
+        it (a fit that fails without telling its callbacks is judged ended once that frame is gone)."""
+        self._run = open_run(self._traces, fit_frame)
         self._traces.new_run()
         for hook in self.hooks:
             hook.begin()

@@ -13,8 +13,9 @@ What each checker counts as a cause, and why:
 - AcceleratorUtilizationChecker: an accelerator (CUDA device) running kernels less than half of the step. A
   CPU-only run has no accelerator to keep busy (TF's checker, too, reported accelerators only).
 - InputPipelineChecker: the wait before each step (fetching the batch, from the previous step's end to this
-  one's start) at least 20% of the time and 10 ms; measured only on steps whose previous step was not
-  traced, since the conversion of a traced step competes with the loop for the GIL (see `input_pipeline`).
+  one's start) at least 20% of the time and 10 ms in the median step; measured only on steps whose previous
+  step was not traced, since the conversion of a traced step competes with the loop for the GIL, and over 3 of
+  them at least (see `input_pipeline`).
 - HostSyncChecker: a value read back from a device (`.item()`, `if t:`, `nonzero` ... whose op moved data on
   the accelerator), or, on the host, a tensor's value read into Python by the user's own code. A read of a
   CPU tensor inside a library (Adam's per-parameter step counters, `torch/optim/optimizer.py: _get_value`)
@@ -61,6 +62,9 @@ INPUT_STALL_SHARE = 0.2  # TF's profiler calls a step input-bound from 20% of it
 # Between two steps the framework runs its own loop, callbacks and logging, and the tracer starts: a few
 # ms on any model, which on a tiny step is a large share. A wait under this is no evidence of a slow input.
 INPUT_STALL_MIN_MICROS = 10_000.0
+# One slow gap between two steps (the machine's load, a garbage collection) is no evidence that each step waits
+# for its batch: the verdict needs this many steps that followed an untraced step, and reads their median.
+INPUT_STALL_MIN_STEPS = 3
 LARGE_COPY_BYTES = 4 << 20
 UNFUSED_MIN_OPS = 8
 STRAGGLER_SPREAD = 0.2
@@ -257,14 +261,14 @@ def input_pipeline(profile: ProfileData) -> list[dict[str, Any]]:
     Only steps whose previous step was not traced are evidence: after a traced step, the background thread
     converting it competes for the GIL with everything the training loop does between steps (tens of ms on a
     small model, hookprof's own cost, not the input pipeline's). A profile's first step after `fit` starts has
-    no wait.
+    no wait. The verdict reads the median of at least `INPUT_STALL_MIN_STEPS` such steps.
     """
     clean = [s for s in profile.steps.values()
              if s.step_micros and s.data_wait_micros and (s.rank, s.step - 1) not in profile.steps]
-    if not clean:
+    if len(clean) < INPUT_STALL_MIN_STEPS:
         return []
-    wait = statistics.mean(s.data_wait_micros for s in clean)
-    share = statistics.mean(s.data_wait_micros / (s.data_wait_micros + s.step_micros) for s in clean)
+    wait = statistics.median(s.data_wait_micros for s in clean)
+    share = statistics.median(s.data_wait_micros / (s.data_wait_micros + s.step_micros) for s in clean)
     if share < INPUT_STALL_SHARE or wait < INPUT_STALL_MIN_MICROS:
         return []
     return [{
@@ -443,17 +447,20 @@ def job_checks(profile: ProfileData) -> list[dict[str, Any]]:
 
     Under DDP the ranks' steps take the same time (each waits at the gradient all-reduce for the last to come),
     so a straggler shows as the others' wait in collectives: the rank that waits least is the slow one, and the
-    gap between the ranks' waits is what it costs them every step. Without collectives in the profile (a run
-    that never syncs), a rank whose steps take 20% longer is named. Communication is what the least-waiting rank
-    spends in collectives (the others' extra wait is the straggler's), against its step.
+    gap between the ranks' waits (in each rank's median step) is what it costs them every step. Without
+    collectives in the profile (a run that never syncs), a rank whose steps take 20% longer is named.
+    Communication is what the least-waiting rank spends in collectives (the others' extra wait is the
+    straggler's), against its step.
     """
     findings = []
     steps = [s for s in profile.steps.values() if s.step_micros]
     by_rank: dict[int, list[Any]] = {}
     for s in steps:
         by_rank.setdefault(s.rank, []).append(s)
-    step_us = {rank: statistics.mean(s.step_micros for s in own) for rank, own in by_rank.items()}
-    wait = {rank: statistics.mean(s.collective_micros for s in own) for rank, own in by_rank.items()}
+    # each rank's typical step (the median): one step that the machine's load held up on one rank (the other
+    # waited for it that once) must not turn "waits every step" around
+    step_us = {rank: statistics.median(s.step_micros for s in own) for rank, own in by_rank.items()}
+    wait = {rank: statistics.median(s.collective_micros for s in own) for rank, own in by_rank.items()}
     measured = any(s.collective_waits for s in steps)
     if len(by_rank) > 1 and measured:
         slow, waiting = min(wait, key=wait.get), max(wait, key=wait.get)

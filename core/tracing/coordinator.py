@@ -272,6 +272,12 @@ class PhasedExport:
         return self.phases.add_to(self.exported.to_stats())
 
     @property
+    def step_seconds(self) -> float:
+        """How long the traced step took on the training thread, from its trace's start to its end."""
+        marks = self.phases.marks
+        return max(0, self.phases.end_ns - marks[0][1]) / 1e9 if marks else 0.0
+
+    @property
     def on_mismatch(self) -> Any:
         """The tracer's callback for a step converted elsewhere whose borrowed tensor identities did not fit
         (`hookprof.tracing.step_identity`), or None."""
