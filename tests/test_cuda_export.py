@@ -168,6 +168,9 @@ def test_the_profile_tabs_xspace_has_a_gpu_plane_with_each_kernel_on_its_stream(
     assert sum(d is not None for d in details) == 22  # every kernel but the memset
     (step,) = lines[xplane.STEP_LINE].events
     assert names[step.metadata_id] == f"ProfilerStep#{STEP}" and stat_values(step)[xplane.GROUP_ID] == STEP
+    assert {stat_names[s.metadata_id]: stat_values(gpu).get(stat_names[s.metadata_id]) for s in gpu.stats} == {
+        "gpu_device_name": "NVIDIA H100 80GB HBM3", "core_count": 132, "memory_size": 85017493504,
+        "compute_cap_major": 9, "compute_cap_minor": 0, "device_vendor": "Nvidia"}  # kineto's deviceProperties
 
 
 @needs_xprof
@@ -222,6 +225,8 @@ def test_xprof_attributes_each_kernels_time_to_its_stream_its_launching_op_and_t
 
     spans = {n.op: n for n in phased.device("/host:CPU").node_stats if n.category == "Span"}
     wait, train = spans["data_wait"], spans["train_step"]
+    environment = [t["p"] for t in tool(pb, "overview_page") if "device_type" in t.get("p", {})]
+    assert environment == [{**environment[0], "device_type": "Nvidia GPU (Hopper)"}]  # kineto's H100, sm_90
     for page in ("overview_page", "input_pipeline_analyzer"):
         (graph,) = [t for t in tool(pb, page) if any(c["id"] == "stepTimeMs" for c in t.get("cols", ()))]
         (row,) = rows(graph)

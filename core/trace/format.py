@@ -40,6 +40,7 @@ MERGED_FROM = "merged_from"  # the files a merged trace was made of (its metadat
 STEPS = "steps"  # the steps of the files a merged trace was made of (its metadata)
 TRIGGER = "trigger"  # why a triggered step was traced: {"kind", "step", "detail"} (hookprof.triggers)
 TRIGGERS_ALSO = "also_fired"  # the other triggers that fired at the same step, each as `trigger`
+DEVICE_PROPERTIES = "device_properties"  # kineto's GPUs: each one's id, name, numSms, totalGlobalMem, compute...
 SKIPPED_TRACES = "skipped_traces"  # traced steps not written since the last file (pending writes were full)
 
 # --- processes and threads -------------------------------------------------------------------------------

@@ -71,6 +71,9 @@ CORRELATION_ID = "correlation_id"
 TF_OP = "tf_op"  # a device event's framework op (xprof attributes the kernel's time to it)
 KERNEL_DETAILS = "kernel_details"  # "regs:N static_shared:N dynamic_shared:N grid:x,y,z block:x,y,z occ_pct:P"
 MEMCPY_DETAILS = "memcpy_details"  # "num_bytes:N"
+# a GPU plane's own stats (tsl's device capabilities), from kineto's deviceProperties
+_DEVICE_CAPS = (("gpu_device_name", "name"), ("core_count", "numSms"), ("memory_size", "totalGlobalMem"),
+                ("compute_cap_major", "computeMajor"), ("compute_cap_minor", "computeMinor"))
 
 # TF's DataType numbers (tensorflow/core/framework/types.proto), which memory_profile names
 _TF_DTYPES = {"float32": 1, "float64": 2, "int32": 3, "uint8": 4, "int16": 5, "int8": 6, "complex64": 8,
@@ -224,6 +227,10 @@ class _Plane:
             found = self._encoded[key] = delimited(_EVENT_STAT, body)
         return found
 
+    def add_stat(self, name: str, value: Any) -> None:
+        """A stat of the plane itself (`XPlane.stats`), encoded as `stat` encodes an event's."""
+        self.stats.append(_PLANE_STAT + self.stat(name, value)[len(_EVENT_STAT):])
+
     def add_line(self, line_id: int, name: str, events: list[bytes]) -> None:
         """A line (`timestamp_ns` 0) of encoded events, each an `XLine.events` field already."""
         self.lines.append(delimited(_PLANE_LINE, int_field(_LINE_ID, line_id) + delimited(_LINE_NAME, name.encode())
@@ -316,7 +323,9 @@ def _step_xspace(stats: StepStats, hostname: str) -> bytes:
     planes = [plane.encode()]
     if devices:
         ops = {n.node_name: n for n in nodes if n.category == fmt.CAT_OP}
-        planes += [_device_plane(ordinal, streams, ops, base, step, marker, step_span) for ordinal, streams in devices]
+        properties = {p.get("id"): p for p in stats.metadata.get(fmt.DEVICE_PROPERTIES) or ()}
+        planes += [_device_plane(ordinal, streams, ops, base, step, marker, step_span, properties.get(ordinal))
+                   for ordinal, streams in devices]
 
     task = _Plane(2, TASK_PLANE)
     for name, value in ((PROFILE_START_TIME, base), (PROFILE_STOP_TIME, end)):
@@ -376,12 +385,18 @@ def _cuda_kernels(stats: StepStats) -> list[tuple[int, dict[int, list[NodeExecSt
 
 
 def _device_plane(ordinal: int, streams: dict[int, list[NodeExecStats]], ops: dict[str, NodeExecStats], base: int,
-                  step: int, marker: str, step_span: tuple[int, int] | None) -> bytes:
+                  step: int, marker: str, step_span: tuple[int, int] | None, properties: dict | None) -> bytes:
     """A CUDA device's kernels as tsl's GPU plane: a line per stream, each kernel with its step (`group_id`),
     its `correlation_id`, its launching op (`tf_op`: xprof's framework op stats, op profile and kernel stats
     attribute the kernel's time to it) and its launch configuration (`kernel_details`); and a "Steps" line
-    with the step's span, which xprof takes as the step on a GPU (it splits it by the device's events alone)."""
+    with the step's span, which xprof takes as the step on a GPU (it splits it by the device's events alone).
+    The plane's stats are the GPU's model and capabilities where kineto exported them (`properties`)."""
     plane = _Plane(ordinal, f"{GPU_PLANE_PREFIX}{ordinal}")
+    for stat, key in _DEVICE_CAPS:
+        if properties and properties.get(key) is not None:
+            plane.add_stat(stat, properties[key])
+    if properties and str(properties.get("name", "")).upper().startswith("NVIDIA"):
+        plane.add_stat("device_vendor", "Nvidia")  # (tsl's vendor name; ROCm's torch names its GPUs CUDA too)
     group, eager = plane.stat(GROUP_ID, step), plane.stat(IS_EAGER, 1)
     for stream in sorted(streams):
         events = []

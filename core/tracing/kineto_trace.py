@@ -93,6 +93,8 @@ class KinetoExport:
         with paused_gc():
             data = orjson.loads(raw)
             base = data.get("baseTimeNanoseconds", 0)
+            if data.get("deviceProperties"):  # each GPU's model and capabilities
+                stats.metadata[fmt.DEVICE_PROPERTIES] = data["deviceProperties"]
             by_external_id = _convert(data.get("traceEvents", ()), base, stats, options.records_tensors,
                                       options.with_stack, rows, instants)
             tree = self.tree
