@@ -109,6 +109,35 @@ def test_lightning_kernels_sit_on_their_streams_each_with_its_launch_arrow(tmp_d
         assert ends[correlation]["ts"] >= starts[correlation]["ts"]  # a kernel runs after its launch
 
 
+def test_the_profile_tab_counts_each_kernels_time_under_its_launching_op_and_the_step(tmp_dir):
+    """xprof's converters on a real CUDA fit's profile run: Framework Op Stats' device time per launching op
+    equals the timeline's kernels', and the overview's step has device compute time from them."""
+    from lightning_prof import ProfilerHook
+    from tests.test_xprof import profile_files, raw_to_tool_data, rows, tool
+
+    if raw_to_tool_data is None:
+        pytest.skip("xprof is not installed")
+    hook = ProfilerHook(save_steps=2, output_dir=tmp_dir)
+    _fit(tmp_dir, [hook])
+    pb = profile_files(tmp_dir)[-1]
+    trace = load_trace(hook.saved_paths[-1])
+    ops = {e["args"]["name"]: f"{e['args']['scope']}/{e['name']}" if e["args"].get("scope") else e["name"]
+           for e in op_events(trace)}
+    kernels = op_events(trace, "Kernel")
+    by_op = collections.Counter()
+    for kernel in kernels:
+        if kernel["args"].get("launched_by") in ops:
+            by_op[ops[kernel["args"]["launched_by"]]] += kernel["dur"]
+    device = {row["operation"]: row["total_time"] for row in rows(tool(pb, "framework_op_stats")[0])
+              if row["host_or_device"] == "Device" and row["type"] != "IDLE"}
+    assert device.keys() == by_op.keys() and len(by_op) >= 5
+    assert all(device[op] == pytest.approx(by_op[op], abs=1e-3) for op in by_op)
+    (graph,) = [t for t in tool(pb, "overview_page") if any(c["id"] == "stepTimeMs" for c in t.get("cols", ()))]
+    (row,) = rows(graph)
+    assert row["stepnum"] == "4"
+    assert 0 < row["deviceComputeTimeMs"] <= sum(k["dur"] for k in kernels) / 1000 + 1e-6  # streams may overlap
+
+
 def test_lightning_dataflow_arrows_join_the_kernels_of_a_producer_and_its_consumer(tmp_dir):
     from lightning_prof import ProfilerHook
 

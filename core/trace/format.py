@@ -40,6 +40,7 @@ MERGED_FROM = "merged_from"  # the files a merged trace was made of (its metadat
 STEPS = "steps"  # the steps of the files a merged trace was made of (its metadata)
 TRIGGER = "trigger"  # why a triggered step was traced: {"kind", "step", "detail"} (hookprof.triggers)
 TRIGGERS_ALSO = "also_fired"  # the other triggers that fired at the same step, each as `trigger`
+DEVICE_PROPERTIES = "device_properties"  # kineto's GPUs: each one's id, name, numSms, totalGlobalMem, compute...
 SKIPPED_TRACES = "skipped_traces"  # traced steps not written since the last file (pending writes were full)
 
 # --- processes and threads -------------------------------------------------------------------------------
@@ -83,6 +84,14 @@ ARG_CONSUMER = "consumer"  # a tensor's consuming node (dataflow arrows)
 ARG_LAUNCHED_BY = "launched_by"  # a kernel's launching op (its node name): kernel dataflow, the graph's device
 ARG_STREAM = "stream"  # a kernel's stream (as kineto names it; HTA finds device work by it)
 ARG_DEVICE = "device"  # a kernel's device index
+ARG_CORRELATION = "correlation"  # a kernel's and its runtime launch's CUDA correlation id
+ARG_KERNEL_KIND = "kind"  # kineto's activity: "kernel", "gpu_memcpy", "gpu_memset"
+# a kernel's launch configuration, as kineto exports it (xprof's kernel stats read them)
+ARG_GRID, ARG_BLOCK = "grid", "block"  # [x, y, z]
+ARG_REGISTERS = "registers per thread"
+ARG_SHARED_MEMORY = "shared memory"  # bytes, static and dynamic together
+ARG_OCCUPANCY = "est. achieved occupancy %"
+ARG_BYTES = "bytes"  # a memcpy's or memset's bytes
 ARG_ALLOCATED = "allocated"  # the allocator counter's bytes allocated
 ARG_RESERVED = "reserved"  # the allocator counter's bytes reserved
 

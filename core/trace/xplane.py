@@ -18,6 +18,11 @@ xprof's own converters read it as a TF or JAX host profile:
 - memory: each allocation and free is a `MemoryAllocation` / `MemoryDeallocation` event (TF's allocator
   stats: bytes in use, the peak so far, the tensor's bytes, dtype, shape and producing op) on a line whose id
   xprof keeps for derived lines, which op stats skip;
+- CUDA kernels (memcpys, memsets): a `/device:GPU:<n>` plane per device with a line per stream; each event
+  carries the step, its `correlation_id`, its launching op (`tf_op`) and its launch configuration
+  (`kernel_details`), which xprof's device op stats, op profile and kernel stats read. xprof then takes the
+  step from the device alone: a "Steps" line holds it, and it splits it into device compute and the rest. A
+  step that ran no kernel has no device plane (a device plane makes xprof read the run as a GPU one);
 - stat values are a proto3 `oneof`, so zeros (`group_id` 0) are written.
 Nothing here needs tensorflow or xprof: the messages are declared below (the fields hookprof reads and writes,
 in the upstream numbering, with XLA's `HloProto` that JAX's XSpace carries); protobuf reads them (JAX's XSpace,
@@ -56,6 +61,19 @@ MEMORY_DEALLOCATION = "MemoryDeallocation"
 # tsl's kThreadIdDerivedMin (0xdeadbeef as a C int) + 8: a derived line, which host op stats skip
 MEMORY_LINE_ID = 0xDEADBEEF - (1 << 32) + 8
 MEMORY_LINE = "Allocator"
+# devices: tsl's GPU planes (kGpuPlanePrefix) for hookprof's CUDA devices (`hookprof.tracing.kineto_trace`)
+CUDA_DEVICE_PREFIX = "/device:CUDA:"
+GPU_PLANE_PREFIX = "/device:GPU:"
+STREAM_LINE_PREFIX = "Stream #"  # a stream's line, as tsl's CUPTI collector names it
+STEP_LINE_ID = 0xDEADBEEF - (1 << 32)  # tsl's kThreadIdStepInfo: a device plane's step markers
+STEP_LINE = "Steps"  # tsl's kStepLineName
+CORRELATION_ID = "correlation_id"
+TF_OP = "tf_op"  # a device event's framework op (xprof attributes the kernel's time to it)
+KERNEL_DETAILS = "kernel_details"  # "regs:N static_shared:N dynamic_shared:N grid:x,y,z block:x,y,z occ_pct:P"
+MEMCPY_DETAILS = "memcpy_details"  # "num_bytes:N"
+# a GPU plane's own stats (tsl's device capabilities), from kineto's deviceProperties
+_DEVICE_CAPS = (("gpu_device_name", "name"), ("core_count", "numSms"), ("memory_size", "totalGlobalMem"),
+                ("compute_cap_major", "computeMajor"), ("compute_cap_minor", "computeMinor"))
 
 # TF's DataType numbers (tensorflow/core/framework/types.proto), which memory_profile names
 _TF_DTYPES = {"float32": 1, "float64": 2, "int32": 3, "uint8": 4, "int16": 5, "int8": 6, "complex64": 8,
@@ -171,6 +189,7 @@ _PLANE_ID, _PLANE_NAME, _PLANE_LINE, _PLANE_EVENT_METADATA, _PLANE_STAT_METADATA
 _SPACE_PLANE, _SPACE_HOSTNAME = tag(1, LENGTH_DELIMITED), tag(4, LENGTH_DELIMITED)
 # a map entry's key (1) and value (2); the metadata's own id (1) and name (2)
 _KEY, _VALUE, _ID, _NAME = tag(1, VARINT), tag(2, LENGTH_DELIMITED), tag(1, VARINT), tag(2, LENGTH_DELIMITED)
+_DISPLAY_NAME = tag(4, LENGTH_DELIMITED)  # XEventMetadata.display_name
 
 
 class _Plane:
@@ -182,6 +201,7 @@ class _Plane:
         self.lines: list[bytes] = []
         self.stats: list[bytes] = []
         self._events: dict[str, int] = {}
+        self.display_names: dict[int, str] = {}  # an event metadata's display name, where it has one
         self._stats: dict[str, int] = {}
         self._encoded: dict[tuple[str, Any, type], bytes] = {}
 
@@ -207,6 +227,10 @@ class _Plane:
             found = self._encoded[key] = delimited(_EVENT_STAT, body)
         return found
 
+    def add_stat(self, name: str, value: Any) -> None:
+        """A stat of the plane itself (`XPlane.stats`), encoded as `stat` encodes an event's."""
+        self.stats.append(_PLANE_STAT + self.stat(name, value)[len(_EVENT_STAT):])
+
     def add_line(self, line_id: int, name: str, events: list[bytes]) -> None:
         """A line (`timestamp_ns` 0) of encoded events, each an `XLine.events` field already."""
         self.lines.append(delimited(_PLANE_LINE, int_field(_LINE_ID, line_id) + delimited(_LINE_NAME, name.encode())
@@ -214,10 +238,14 @@ class _Plane:
 
     def encode(self) -> bytes:
         """The plane's bytes: its lines, its metadata maps (entries of key 1, value 2), its own stats."""
-        metadata = [delimited(field, int_field(_KEY, key) + delimited(_VALUE, int_field(_ID, key)
-                                                                      + delimited(_NAME, name.encode())))
-                    for field, ids in ((_PLANE_EVENT_METADATA, self._events), (_PLANE_STAT_METADATA, self._stats))
-                    for name, key in ids.items()]
+        metadata = []
+        for field, ids in ((_PLANE_EVENT_METADATA, self._events), (_PLANE_STAT_METADATA, self._stats)):
+            shown = self.display_names if ids is self._events else {}
+            for name, key in ids.items():
+                body = int_field(_ID, key) + delimited(_NAME, name.encode())
+                if key in shown:
+                    body += delimited(_DISPLAY_NAME, shown[key].encode())
+                metadata.append(delimited(field, int_field(_KEY, key) + delimited(_VALUE, body)))
         return self.head + b"".join(self.lines) + b"".join(metadata) + b"".join(self.stats)
 
 
@@ -239,7 +267,7 @@ def _event(metadata_id: int, offset_ps: int, duration_ps: int, stats: bytes) -> 
 
 def step_xspace(stats: StepStats, hostname: str) -> bytes:
     """One traced step as a serialized `XSpace` for xprof (see the module's doc): the host device's threads,
-    the step's phases and, where recorded, its allocations. Other devices' work (CUDA kernels) is left out."""
+    the step's phases and, where recorded, its allocations; each CUDA device that ran kernels, a GPU plane."""
     with paused_gc():  # (its many small objects made the collector's full passes over the step's nodes cost 2x)
         return _step_xspace(stats, hostname)
 
@@ -251,9 +279,18 @@ def _step_xspace(stats: StepStats, hostname: str) -> bytes:
     phase_spans = {n.op: n for n in nodes if n.category == fmt.CAT_SPAN}
     train = phase_spans.get(fmt.TRAIN_STEP)
     data_wait = phase_spans.get(fmt.DATA_WAIT)
-    times = [n.start_ns for n in nodes] + [s.ts_ns for s in stats.memory_samples]
+    devices = _cuda_kernels(stats)
+    kernels = [k for _, streams in devices for stream in streams.values() for k in stream]
+    times = [n.start_ns for n in nodes] + [s.ts_ns for s in stats.memory_samples] + [k.start_ns for k in kernels]
     base = min(times, default=0)
-    end = max([n.start_ns + n.duration_ns for n in nodes] + [s.ts_ns for s in stats.memory_samples], default=base)
+    end = max([n.start_ns + n.duration_ns for n in nodes + kernels] + [s.ts_ns for s in stats.memory_samples],
+              default=base)
+    # the step as xprof sees one: from the data wait's start (input time) to the step's end
+    step_span = None
+    if train is not None:
+        step_span = (data_wait.start_ns if data_wait is not None else train.start_ns,
+                     train.start_ns + train.duration_ns)
+    marker = f"{fmt.PROFILER_STEP_PREFIX}{step}"
 
     plane = _Plane(1, HOST_PLANE)
     group = plane.stat(GROUP_ID, step)
@@ -266,12 +303,9 @@ def _step_xspace(stats: StepStats, hostname: str) -> bytes:
     for tid in sorted(threads, key=lambda t: (t != step_thread, t)):
         line_nodes = sorted(threads[tid], key=lambda n: (n.start_ns, -n.duration_ns))
         events = []
-        if tid == step_thread and train is not None:
-            # the step as xprof sees one: from the data wait's start (input time) to the step's end
-            start = data_wait.start_ns if data_wait is not None else train.start_ns
-            marker = f"{fmt.PROFILER_STEP_PREFIX}{step}"
-            events.append(_event(plane.event_id(marker), (start - base) * 1000,
-                                 (train.start_ns + train.duration_ns - start) * 1000,
+        if tid == step_thread and step_span is not None:
+            events.append(_event(plane.event_id(marker), (step_span[0] - base) * 1000,
+                                 (step_span[1] - step_span[0]) * 1000,
                                  group + plane.stat(STEP_NAME, marker) + plane.stat(STEP_NUM, step)))
         for node in line_nodes:
             if node.category == fmt.CAT_SPAN and node.op == fmt.TRAIN_STEP:
@@ -286,12 +320,19 @@ def _step_xspace(stats: StepStats, hostname: str) -> bytes:
         plane.add_line(tid, thread_names.get(tid, f"thread {tid}"), events)
     _add_memory(plane, stats, base, group)
 
+    planes = [plane.encode()]
+    if devices:
+        ops = {n.node_name: n for n in nodes if n.category == fmt.CAT_OP}
+        properties = {p.get("id"): p for p in stats.metadata.get(fmt.DEVICE_PROPERTIES) or ()}
+        planes += [_device_plane(ordinal, streams, ops, base, step, marker, step_span, properties.get(ordinal))
+                   for ordinal, streams in devices]
+
     task = _Plane(2, TASK_PLANE)
     for name, value in ((PROFILE_START_TIME, base), (PROFILE_STOP_TIME, end)):
         stat = _XSTAT_ID + varint(task.stat_id(name)) + _XSTAT_UINT64 + varint(value)
         task.stats.append(delimited(_PLANE_STAT, stat))
-    return (delimited(_SPACE_PLANE, plane.encode()) + delimited(_SPACE_PLANE, task.encode())
-            + delimited(_SPACE_HOSTNAME, hostname.encode()))
+    planes.append(task.encode())
+    return b"".join(delimited(_SPACE_PLANE, p) for p in planes) + delimited(_SPACE_HOSTNAME, hostname.encode())
 
 
 def _step_thread(thread_names: dict[int, str]) -> int | None:
@@ -304,7 +345,7 @@ def _node_stats(plane: _Plane, node: NodeExecStats, group: bytes, shapes: bytes 
     viewer shows them)."""
     stats = [group]
     if node.category == fmt.CAT_OP:
-        key = plane.event_id(f"{node.scope}/{node.op}" if node.scope else node.op)
+        key = plane.event_id(_op_name(node))
         stats += [plane.stat(IPL_STAGE_ID, key), plane.stat(IPL_STAGE_CAT, node.op), plane.stat(IS_EAGER, 1)]
     else:
         key = plane.event_id(node.op)
@@ -319,6 +360,84 @@ def _node_stats(plane: _Plane, node: NodeExecStats, group: bytes, shapes: bytes 
         if node.input_dtypes:
             stats.append(plane.stat(fmt.ARG_INPUT_DTYPES, orjson.dumps(node.input_dtypes).decode()))
     return key, b"".join(stats)
+
+
+def _op_name(op: NodeExecStats) -> str:
+    """An op's name in the XSpace: its module scope, then torch's op (`encoder/fc1/aten::addmm`)."""
+    return f"{op.scope}/{op.op}" if op.scope else op.op
+
+
+def _cuda_kernels(stats: StepStats) -> list[tuple[int, dict[int, list[NodeExecStats]]]]:
+    """The step's kernels, memcpys and memsets by CUDA device (its ordinal) and stream, in start order."""
+    devices = []
+    for dev in stats.dev_stats:
+        if not dev.device.startswith(CUDA_DEVICE_PREFIX):
+            continue
+        streams: dict[int, list[NodeExecStats]] = {}
+        for node in dev.node_stats:
+            if node.category == fmt.CAT_KERNEL:
+                streams.setdefault(node.thread_id, []).append(node)
+        if streams:
+            for kernels in streams.values():
+                kernels.sort(key=lambda k: k.start_ns)
+            devices.append((int(dev.device[len(CUDA_DEVICE_PREFIX):]), streams))
+    return sorted(devices, key=lambda device: device[0])
+
+
+def _device_plane(ordinal: int, streams: dict[int, list[NodeExecStats]], ops: dict[str, NodeExecStats], base: int,
+                  step: int, marker: str, step_span: tuple[int, int] | None, properties: dict | None) -> bytes:
+    """A CUDA device's kernels as tsl's GPU plane: a line per stream, each kernel with its step (`group_id`),
+    its `correlation_id`, its launching op (`tf_op`: xprof's framework op stats, op profile and kernel stats
+    attribute the kernel's time to it) and its launch configuration (`kernel_details`); and a "Steps" line
+    with the step's span, which xprof takes as the step on a GPU (it splits it by the device's events alone).
+    The plane's stats are the GPU's model and capabilities where kineto exported them (`properties`)."""
+    plane = _Plane(ordinal, f"{GPU_PLANE_PREFIX}{ordinal}")
+    for stat, key in _DEVICE_CAPS:
+        if properties and properties.get(key) is not None:
+            plane.add_stat(stat, properties[key])
+    if properties and str(properties.get("name", "")).upper().startswith("NVIDIA"):
+        plane.add_stat("device_vendor", "Nvidia")  # (tsl's vendor name; ROCm's torch names its GPUs CUDA too)
+    group, eager = plane.stat(GROUP_ID, step), plane.stat(IS_EAGER, 1)
+    for stream in sorted(streams):
+        events = []
+        for kernel in streams[stream]:
+            args = kernel.args or {}
+            stats = [group, plane.stat(CORRELATION_ID, args.get(fmt.ARG_CORRELATION, 0))]
+            op = ops.get(args.get(fmt.ARG_LAUNCHED_BY))
+            if op is not None:
+                stats += [plane.stat(TF_OP, _op_name(op)), eager]
+            details = _kernel_details(args)
+            if details:
+                stats.append(plane.stat(KERNEL_DETAILS, details))
+            name = kernel.op
+            if args.get(fmt.ARG_KERNEL_KIND) == "gpu_memcpy":
+                if fmt.ARG_BYTES in args:
+                    stats.append(plane.stat(MEMCPY_DETAILS, f"num_bytes:{args[fmt.ARG_BYTES]}"))
+                # xprof tells a copy's direction by its name (`MemcpyHToD...`); the trace viewer shows kineto's
+                name = name.replace("Memcpy ", "Memcpy", 1)
+                plane.display_names[plane.event_id(name)] = kernel.op
+            events.append(_event(plane.event_id(name), (kernel.start_ns - base) * 1000, kernel.duration_ns * 1000,
+                                 b"".join(stats)))
+        plane.add_line(stream, f"{STREAM_LINE_PREFIX}{stream}", events)
+    kernels = [k for stream in streams.values() for k in stream]
+    # the host's step (from its data wait), to its last kernel's end if that is later
+    first = min([k.start_ns for k in kernels] + ([step_span[0]] if step_span else []))
+    last = max([k.start_ns + k.duration_ns for k in kernels] + ([step_span[1]] if step_span else []))
+    step_stats = group + plane.stat(STEP_NAME, marker) + plane.stat(STEP_NUM, step)
+    plane.add_line(STEP_LINE_ID, STEP_LINE,
+                   [_event(plane.event_id(marker), (first - base) * 1000, (last - first) * 1000, step_stats)])
+    return plane.encode()
+
+
+def _kernel_details(args: dict) -> str | None:
+    """A kernel's launch configuration as xprof's kernel stats parse it; None for a memcpy or memset. kineto
+    exports the shared memory as one figure (static and dynamic): written as static."""
+    grid, block = args.get(fmt.ARG_GRID), args.get(fmt.ARG_BLOCK)
+    if not grid or not block:
+        return None
+    return (f"regs:{args.get(fmt.ARG_REGISTERS, 0)} static_shared:{args.get(fmt.ARG_SHARED_MEMORY, 0)} "
+            f"dynamic_shared:0 grid:{','.join(map(str, grid))} block:{','.join(map(str, block))} "
+            f"occ_pct:{args.get(fmt.ARG_OCCUPANCY, 0)}")
 
 
 def _add_memory(plane: _Plane, stats: StepStats, base: int, group: bytes) -> None:

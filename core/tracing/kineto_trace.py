@@ -55,6 +55,7 @@ _TORCH_DTYPES = {
     "unsigned long": "uint64",
 }
 _KERNEL_ACTIVITIES = {"kernel", "gpu_memcpy", "gpu_memset", "concurrent_kernel"}
+_LAUNCH_ARGS = (fmt.ARG_GRID, fmt.ARG_BLOCK, fmt.ARG_REGISTERS, fmt.ARG_SHARED_MEMORY, fmt.ARG_OCCUPANCY, fmt.ARG_BYTES)
 _RUNTIME_ACTIVITIES = {"cuda_runtime", "cuda_driver"}
 _HOST_ACTIVITIES = {"cpu_op", "user_annotation"} | _RUNTIME_ACTIVITIES
 _IDENTITY_ACTIVITIES = ("cpu_op", "user_annotation")  # the rows a template joins (`step_identity.Row`)
@@ -92,6 +93,8 @@ class KinetoExport:
         with paused_gc():
             data = orjson.loads(raw)
             base = data.get("baseTimeNanoseconds", 0)
+            if data.get("deviceProperties"):  # each GPU's model and capabilities
+                stats.metadata[fmt.DEVICE_PROPERTIES] = data["deviceProperties"]
             by_external_id = _convert(data.get("traceEvents", ()), base, stats, options.records_tensors,
                                       options.with_stack, rows, instants)
             tree = self.tree
@@ -324,8 +327,12 @@ def _add_kernel(event: dict[str, Any], activity: str, base: int, stats: StepStat
     kernel = NodeExecStats(
         node_name=name, op=name, start_ns=round(event["ts"] * 1000) + base,
         duration_ns=round(event.get("dur", 0) * 1000), thread_id=stream, category=fmt.CAT_KERNEL,
-        args={"correlation": fields.get("correlation", 0), "kind": activity, fmt.ARG_STREAM: stream,
-              fmt.ARG_DEVICE: index},
+        args={fmt.ARG_CORRELATION: fields.get("correlation", 0), fmt.ARG_KERNEL_KIND: activity,
+              fmt.ARG_STREAM: stream, fmt.ARG_DEVICE: index},
     )
+    for key in _LAUNCH_ARGS:  # the launch configuration (kernels), the bytes (memcpys, memsets)
+        value = fields.get(key)
+        if value is not None:
+            kernel.args[key] = value
     device.node_stats.append(kernel)
     return fields.get("External id", -1), kernel
