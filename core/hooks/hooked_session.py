@@ -136,9 +136,11 @@ class HookedSession:
             hook.begin()
 
     def after_create_session(self, session: Session) -> None:
+        self._ballot = Ballot.for_fit(session, self.hooks)
+        if isinstance(session, Session):
+            session.agreeing = self._ballot is not None  # (what the voters read: see `Session.agreeing`)
         for hook in self.hooks:
             hook.after_create_session(session, None)
-        self._ballot = Ballot.for_fit(session, self.hooks)
 
     def before_run(self, session: Session, step_key: Hashable,
                    original_args: SessionRunArgs | Callable[[], SessionRunArgs]) -> None:
