@@ -209,6 +209,11 @@ class HookedSession:
         """Work between steps that is not data loading (validation) ended now."""
         self._traces.restart_data_clock()
 
+    @property
+    def trace_pending(self) -> bool:
+        """Whether `start_trace` would start a trace `before_run` deferred (`defer_trace`)."""
+        return self._pending_trace is not None
+
     def start_trace(self) -> None:
         """Start the trace `before_run` deferred (`defer_trace`), if any: call it where the step itself runs."""
         pending, self._pending_trace = self._pending_trace, None
