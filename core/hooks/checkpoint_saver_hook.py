@@ -101,6 +101,8 @@ class CheckpointSaverHook(PeriodicHook):
             that is not a bool.
     """
 
+    agreed_schedule = True  # (see PeriodicHook)
+
     def __init__(
         self,
         checkpoint_dir: str | os.PathLike,

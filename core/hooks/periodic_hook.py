@@ -25,15 +25,19 @@ class PeriodicHook(SessionRunHook):
     checkpoints there). A run that starts at a global step above 0 with no saved schedule continues a step
     schedule from the uninterrupted run's last fire (`first_fire` + a multiple of `save_steps`).
 
-    Where the ranks of a fit agree (`session.agreeing`, under DDP), a seconds schedule, read on each rank's
-    clock, fires by what the ranks agreed: the timer becomes an `AgreedTimer`, each rank proposes a fire after
-    each step (`vote`: its own timer asked about `_schedule_step`), and `agreed` records the decision, which the
-    hook reads from its timer where it always does (a step schedule is the same on every rank already).
+    Where the ranks of a fit agree (`session.agreeing`, under DDP), the seconds schedule of a hook whose fires
+    must be the same on every rank (`agreed_schedule`), read on each rank's clock, fires by what they agreed:
+    the timer becomes an `AgreedTimer`, each rank proposes a fire after each step (`vote`: its own timer asked
+    by `_schedule_fires`), and `agreed` records the decision, which the hook reads from its timer where it
+    always does (a step schedule is the same on every rank already).
     """
 
     # the global step of an uninterrupted run's first fire on a steps schedule, the others following every
     # `save_steps` (TF: ProfilerHook at N, 2N; CheckpointSaverHook at 0, N; SummarySaverHook at its first step)
     first_fire = 0
+    # whether every rank must fire on the same steps (a collective save, traces merged across ranks): then a
+    # seconds schedule is agreed where the ranks agree (see above); a hook whose fires are its rank's own says no
+    agreed_schedule = False
 
     def __init__(self, save_steps: int | None, save_secs: float | None, output_dir: Any,
                  clock: Callable[[], float] | None = None, schedule_optional: bool = False):
@@ -75,7 +79,7 @@ class PeriodicHook(SessionRunHook):
     def after_create_session(self, session: Any, coord: Any) -> None:
         self._session = session
         own = self._timer.own if isinstance(self._timer, AgreedTimer) else self._timer
-        self._timer = AgreedTimer(own) if getattr(session, "agreeing", False) and self.save_secs is not None else own
+        self._timer = AgreedTimer(own) if getattr(session, "agreeing", False) and self._agrees_schedule() else own
         step = getattr(session, "global_step", 0) or 0
         last = self._timer.last_triggered_step()
         if self._restored and last is not None and last > step:
@@ -91,12 +95,15 @@ class PeriodicHook(SessionRunHook):
 
     # --- under DDP: a seconds schedule's fires are one decision for all ranks ---------------------------------
 
+    def _agrees_schedule(self) -> bool:
+        return self.agreed_schedule and self.save_secs is not None  # (a step schedule is the same everywhere)
+
     def votes(self) -> int:
-        return 0 if self.save_secs is None else 1
+        return int(self._agrees_schedule())
 
     def vote(self, global_step: int) -> tuple[bool, ...]:
         timer = self._timer
-        if self.save_secs is None:
+        if not self._agrees_schedule():
             return ()
         return (isinstance(timer, AgreedTimer) and self._schedule_fires(global_step, timer.own),)
 

@@ -90,6 +90,8 @@ class ProfilerHook(PeriodicHook):
         trainer = Trainer(callbacks=[ProfilerHook(save_steps=100, output_dir="runs/prof")])
     """
 
+    agreed_schedule = True  # (see PeriodicHook)
+
     pipeline_class: type[CapturePipeline] = CapturePipeline  # what carries traced steps to disk
 
     def __init__(
