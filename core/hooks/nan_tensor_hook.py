@@ -49,7 +49,6 @@ class NanTensorHook(SessionRunHook):
         owner = type(self).__name__
         self.loss_tensor = check_fetches(owner, "loss_tensor", loss_tensor)
         self.fail_on_nan_loss = arguments.check_bool(owner, "fail_on_nan_loss", fail_on_nan_loss)
-        self._nan_seen = False  # (where the ranks agree) this rank's loss was NaN: every rank fails in `agreed`
 
     def may_request_stop(self) -> bool:
         return not self.fail_on_nan_loss  # a NaN on one rank stops every rank (fail_on_nan_loss: see `votes`)
@@ -70,6 +69,8 @@ class NanTensorHook(SessionRunHook):
                                              f"NaN on {where}; every rank fails at this step.")
 
     def begin(self) -> None:
+        # (where the ranks agree) this rank's loss was NaN: every rank fails in `agreed`. Set here, not in
+        # __init__: the checkpoint key an earlier hookprof computed reads the fields a new hook has
         self._nan_seen = False
 
     def before_run(self, run_context) -> SessionRunArgs:
