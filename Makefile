@@ -62,6 +62,7 @@ bench: $(STAMP)
 	KERAS_BACKEND=torch $(BIN)/python bench/idle_fit_overhead.py
 	KERAS_BACKEND=torch $(BIN)/python bench/trigger_watch_cost.py
 	KERAS_BACKEND=jax $(BIN)/python bench/jax_traced_step.py
+	$(BIN)/python bench/agree_cost.py
 	$(BIN)/python bench/long_run_stability.py
 	$(BIN)/python bench/gpu_traced_step.py  # skips without a CUDA device
 

@@ -182,7 +182,9 @@ FeedFnHook = callback_class(hooks.FeedFnHook, KERAS, """
 
     Keras hands its batch callbacks no batch, so the values are read inside the step with
     `hookprof.step_feeds()` (e.g. in a custom `train_step`, or a layer's `call` during training); they are
-    never put into the batch. Runs on every step, as TF's did.
+    never put into the batch. Runs on every step, as TF's did. A compiled train step (JAX with `jit_compile`,
+    the default; TensorFlow) reads them once, when traced: the fit is refused before its first step with a
+    `ValueError`; compile the model with `run_eagerly=True` to feed each step.
 
     Example::
 

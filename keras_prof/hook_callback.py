@@ -16,6 +16,7 @@ ops); other backends get the host tracer (phase spans only) and one warning.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import sys
@@ -27,6 +28,7 @@ from typing import Any
 import keras
 
 from hookprof._runtime.warn_once import WarnOnce
+from hookprof.hooks.feed_fn_hook import FeedFnHook
 from hookprof.hooks.hooked_session import HookedSession, check_hooks
 from hookprof.hooks.session import Session, StepState
 from hookprof.hooks.session_run_hook import SessionRunArgs, SessionRunHook
@@ -117,12 +119,28 @@ class _TrainStepWatch:
         if len(args) == 1 and isinstance(args[0], (list, tuple)) and len(args[0]) == 1:
             self.batch = args[0][0]  # the torch backend calls train_function([batch])
         try:
-            if fit.driver is not None:
-                fit.driver.start_trace()  # (the tracer runs only inside the step: see HookedSession)
+            driver = fit.driver
+            if driver is not None:
+                if fit.fetches_in_step and driver.trace_pending and len(args) == 2 and not kwargs:
+                    args = (args[0], fetched_first(args[1]))  # the batch loads before the trace starts: data wait
+                driver.start_trace()  # (the tracer runs only inside the step: see HookedSession)
             return self.function(*args, **kwargs)
+        except StopIteration:  # the data ran out (Keras ends the epoch, and the fit goes on): no step ran
+            if fit.driver is not None:
+                fit.driver.abort_step()
+            raise
         except BaseException:
             fit.close()
             raise
+
+
+def fetched_first(iterator: Any) -> Any:
+    """`iterator` with its next item fetched now: Keras on JAX calls `train_function(state, iterator)`, which
+    fetches the step's batch itself, so a slow input pipeline would show as the traced step's forward pass. Its
+    batch loads before the trace starts instead, in the step's data wait, as on the torch backend (whose train
+    function gets the batch loaded). An exhausted iterator raises StopIteration here, as the step would have."""
+    first = next(iterator)
+    return itertools.chain((first,), iterator)
 
 
 class _Fit:
@@ -142,6 +160,7 @@ class _Fit:
         self.session: KerasSession | None = None
         self.watch: _TrainStepWatch | None = None
         self.ended = False  # end() or close() ran: its watch, if still on the model, only calls through
+        self.fetches_in_step = keras.backend.backend() == "jax"  # train_function(state, iterator): `fetched_first`
         self._callbacks = _fit_callbacks(model)  # (which `Model.fit` call this is: see `running`)
         function = getattr(model, "train_function", None)
         if isinstance(function, _TrainStepWatch) and not function.fit.running():
@@ -165,6 +184,7 @@ class _Fit:
         hook, in order; `leader` drives the steps, the other members return at once."""
         _GATHERING.pop(id(self.token), None)
         hooks = [hook for member in self.members for hook in member.hooks]
+        check_feeds(self.model, hooks)
         for hook in hooks:  # hooks left without a directory write where Keras' TensorBoard callback does
             if hasattr(hook, "set_default_output_dir"):
                 hook.set_default_output_dir(DEFAULT_LOG_DIR)
@@ -242,6 +262,27 @@ def _finished_step(session: KerasSession, logs: dict | None, batch_data: Any, ba
     return StepState(session.global_step, logs, batch_data, batch, session.model, logs, session)
 
 
+def compiles_step(model: keras.Model) -> bool:
+    """Whether Keras runs this model's train step as a compiled program (traced once, then replayed): on JAX
+    under `jit_compile` (the default), on TensorFlow as a `tf.function` unless `run_eagerly`."""
+    if getattr(model, "run_eagerly", False):
+        return False
+    backend = keras.backend.backend()
+    return backend == "tensorflow" or (backend == "jax" and bool(getattr(model, "jit_compile", True)))
+
+
+def check_feeds(model: keras.Model, hooks: Sequence[SessionRunHook]) -> None:
+    """A `FeedFnHook` feeds each step through `hookprof.step_feeds()`, which a compiled train step reads once,
+    when it is traced: refuse it before the first step rather than feed every step the first step's values."""
+    feeders = [type(hook).__name__ for hook in hooks if isinstance(hook, FeedFnHook)]
+    if feeders and compiles_step(model):
+        raise ValueError(
+            f"{feeders[0]} feeds each step through hookprof.step_feeds(), but Keras on {keras.backend.backend()} "
+            "compiles the train step (traced once, then replayed): it would read the first step's values on every "
+            "step. Compile the model with run_eagerly=True (model.compile(..., run_eagerly=True)) to feed each "
+            "step.")
+
+
 def tracer_factory(model: keras.Model) -> TracerFactory:
     """torch.profiler on the torch backend, JAX's profiler on the JAX backend; elsewhere (or on a JAX that
     lacks what the JAX tracer needs) the host tracer, with one warning per process naming what is missing."""
@@ -255,7 +296,21 @@ def tracer_factory(model: keras.Model) -> TracerFactory:
 
         missing = missing_support()
         if missing is None:
-            return lambda: JaxTracer(model)
+            if compiles_step(model):
+                return lambda: JaxTracer(model)
+            said: list[bool] = []
+
+            def eager_tracer() -> JaxTracer:
+                if not said:  # (once a fit: this factory is the fit's)
+                    said.append(True)
+                    log.warning("keras_prof: this model's train step runs without jit (%s), so JAX runs each op "
+                                "as its own small program: traced steps show the ops without scopes, all as "
+                                "'forward' (scopes and phases come from the compiled train step's name stack). "
+                                "Compile with jit_compile=True and run_eagerly=False (the defaults) to see them.",
+                                "run_eagerly=True" if getattr(model, "run_eagerly", False) else "jit_compile=False")
+                return JaxTracer(model)
+
+            return eager_tracer
         _warn_once("backend", "keras_prof: the Keras backend is 'jax' but this JAX lacks %s, so traced steps "
                    "show only their phases (host tracer).", missing)
         return HostTracer

@@ -32,6 +32,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.profilers import PyTorchProfiler
 from typing_extensions import override
 
+from hookprof._runtime.fit_run import on_fit_end
 from hookprof.hooks.hooked_session import HookedSession, check_hooks
 from hookprof.hooks.identity import SCHEDULE_ATTRIBUTES, check_name, identity, schedule
 from hookprof.hooks.session import Session, StepState, check_reduce
@@ -54,34 +55,28 @@ class LightningSession(Session):
         self.distributed_backend = getattr(trainer.strategy, "process_group_backend", None)
         self._step: int | None = None
         self._counter: Any = None  # Lightning's optimizer-step counter, found when training starts
-        self._votes: dict[int, Any] = {}  # `agree`'s all-reduce buffers, by length
+        self._votes: RankVotes | None = None  # `agree`'s all-reduce, made at the first agreement
 
     def agree(self, decisions: Sequence[bool], reduce: str = "any") -> list[bool]:
         """The ranks' decisions made together, as the trainer's `strategy.reduce_boolean_decision` makes one (a
-        SUM all-reduce of 0/1 on the strategy's device), all of a step's decisions in one collective. Where
-        torch.distributed runs the strategy (DDP, FSDP, DeepSpeed) the all-reduce is called directly: the
-        strategy's `reduce` puts a barrier before it, which costs 3x (2-rank gloo on a loaded CPU: 1.2-3 ms a
-        call against 0.33-1.1 ms) and adds nothing, an all-reduce waiting for every rank itself."""
+        SUM all-reduce of 0/1), all of a step's decisions in one collective. Where torch.distributed runs the
+        strategy (DDP, FSDP, DeepSpeed) it is a `RankVotes` all-reduce on the CPU (the strategy's `reduce` puts
+        a barrier before it, which costs 3x and adds nothing, and on NCCL it would sync the GPU each step)."""
         if self.world_size <= 1:
             return super().agree(decisions, reduce)
         check_reduce(reduce)
         import torch
 
-        strategy = self.trainer.strategy
-        values = torch.tensor([int(bool(decision)) for decision in decisions])
         if torch.distributed.is_available() and torch.distributed.is_initialized():
-            # one buffer per length, kept: gloo all-reduces a tensor it has seen before faster (on a loaded 2-core
-            # CPU 0.37-0.58 ms a call against 0.42-1.33 ms for a new tensor each call)
-            votes = self._votes.get(len(values))
-            if votes is None or votes.device != strategy.root_device:
-                votes = self._votes[len(values)] = torch.zeros_like(values, device=strategy.root_device)
-            votes.copy_(values)
-            torch.distributed.all_reduce(votes)  # (SUM, on the default group: the strategy's)
-            counts = votes.tolist()
+            if self._votes is None:
+                self._votes = RankVotes(getattr(self.trainer.strategy, "_timeout", None))
+            counts = self._votes.sum(decisions)
         else:
-            counts = strategy.reduce(values.to(strategy.root_device), reduce_op="sum").tolist()
+            strategy = self.trainer.strategy
+            values = torch.tensor([int(bool(decision)) for decision in decisions], device=strategy.root_device)
+            counts = strategy.reduce(values, reduce_op="sum").tolist()
         need = 1 if reduce == "any" else self.world_size
-        return [int(count) >= need for count in counts]
+        return [count >= need for count in counts]
 
     def find_step_counter(self) -> None:
         """Training starts: find the counter behind `trainer.global_step` (see `optimizer_step_counter`)."""
@@ -107,6 +102,49 @@ class LightningSession(Session):
         batch's end and the next one's start steps an optimizer, validation included), else a fresh read."""
         step = self._step
         return self.refresh_step() if step is None else step
+
+
+class RankVotes:
+    """The ranks' 0/1 votes summed: an all-reduce of a CPU tensor on a gloo group, into a buffer kept for each
+    number of votes, so that a step's agreement allocates nothing and never touches a GPU. The group is the
+    fit's default one where it runs gloo for CPU tensors; otherwise (NCCL) a gloo group of all ranks made here
+    (every rank makes it at its first agreement, the same step everywhere) and destroyed when the fit ends.
+
+    Args:
+        timeout: how long a rank waits for the others in a group made here (the strategy's own, `None`: torch's
+            default), so that a rank left waiting fails as the fit's collectives do.
+    """
+
+    def __init__(self, timeout: Any = None) -> None:
+        import torch.distributed as dist
+
+        self._group = None
+        if cpu_backend(str(dist.get_backend())) != "gloo":
+            self._group = dist.new_group(backend="gloo", timeout=timeout)
+            on_fit_end(("agreement group", id(self)), dist.destroy_process_group, self._group)
+        self._buffers: dict[int, tuple[Any, Any]] = {}  # by length: (the tensor, a numpy view of it)
+
+    def sum(self, votes: Sequence[bool]) -> list[int]:
+        """How many ranks voted True, for each of `votes` (every rank calls this with as many votes)."""
+        import torch
+
+        buffer = self._buffers.get(len(votes))
+        if buffer is None:
+            tensor = torch.zeros(len(votes), dtype=torch.int32)
+            buffer = self._buffers[len(votes)] = (tensor, tensor.numpy())
+        tensor, counts = buffer
+        counts[:] = [bool(vote) for vote in votes]
+        torch.distributed.all_reduce(tensor, group=self._group)  # (SUM)
+        return counts.tolist()
+
+
+def cpu_backend(backend: str) -> str:
+    """The backend a process group runs CPU tensors on, from torch's name for its backend: `"gloo"`, `"nccl"`,
+    or per device, `"cpu:gloo,cuda:nccl"`."""
+    if ":" not in backend:
+        return backend
+    devices = dict(item.split(":", 1) for item in backend.split(","))
+    return devices.get("cpu", "")
 
 
 def optimizer_step_counter(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Any:

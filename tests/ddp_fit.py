@@ -113,9 +113,9 @@ def main(scenario: str, out: str) -> None:
     model = Model()
     max_steps = 8
     record: dict = {}
-    if scenario == "nan":
+    if scenario in ("nan", "nan_fail"):
         model = Model(nan_rank=1, nan_step=3)
-        callbacks = [NanTensorHook("loss", fail_on_nan_loss=False)]
+        callbacks = [NanTensorHook("loss", fail_on_nan_loss=scenario == "nan_fail")]
     elif scenario == "user_stop":
         callbacks = [HookCallback([StopOnRank(rank=1, step=3)])]
     elif scenario == "checkpoint_secs":
@@ -146,7 +146,10 @@ def main(scenario: str, out: str) -> None:
                         accelerator="cpu", max_steps=max_steps, callbacks=callbacks, default_root_dir=out,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False)
-    trainer.fit(model, loader(n=256))
+    try:
+        trainer.fit(model, loader(n=256))
+    except Exception as error:  # (what the scenario is about: each rank says what it raised)
+        record["error"] = f"{type(error).__name__}: {error}"
     rank = trainer.global_rank
     record.update(rank=rank, global_step=trainer.global_step)
     if scenario == "straggler":
@@ -154,6 +157,8 @@ def main(scenario: str, out: str) -> None:
             f.write(profiler.serialize_to_string())
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(record, f)
+    for child in getattr(trainer.strategy.launcher, "procs", []):  # rank 0 ends after the ranks it started
+        child.wait(timeout=TIMEOUT * 3)
 
 
 if __name__ == "__main__":

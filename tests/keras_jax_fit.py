@@ -5,6 +5,7 @@ callbacks wrote) for tests/test_keras_jax.py to read back."""
 import json
 import os
 import sys
+import time
 
 os.environ["KERAS_BACKEND"] = "jax"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -14,8 +15,10 @@ import jax.numpy as jnp  # noqa: E402
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
+from hookprof import step_feeds  # noqa: E402
 from keras_prof import (  # noqa: E402
     CheckpointSaverHook,
+    FeedFnHook,
     HookCallback,
     Profiler,
     ProfilerHook,
@@ -109,5 +112,91 @@ def main(out: str) -> None:
         json.dump(result, f)
 
 
+class EndProbe(SessionRunHook):
+    """Notes the global step of each finished step and whether `end()` ran."""
+
+    def __init__(self):
+        self.steps: list[int] = []
+        self.ended = False
+
+    def after_run(self, run_context, run_values):
+        self.steps.append(run_context.session.global_step)
+
+    def end(self, session):
+        self.ended = True
+
+
+def slow_batches(x, y, seconds=0.04):
+    """The batches of (x, y) from a Python generator that takes `seconds` to make each (a slow input pipeline;
+    a generator has no length: the epoch ends when it runs out, inside the step that finds it empty)."""
+    for i in range(0, len(x), 8):
+        time.sleep(seconds)
+        yield x[i:i + 8], y[i:i + 8]
+
+
+def phase_us(path, phase):
+    """The duration of the step's `phase` span (`data_wait`, `forward`, ...) in a timeline, microseconds."""
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    return round(sum(e["dur"] for e in events if e.get("cat") == "Span" and e.get("name") == phase))
+
+
+class FedScale(keras.Sequential):
+    """Scales its loss by the fed `scale` and notes each step's value (a Python side effect: seen only when the
+    train step runs as Python, i.e. eagerly)."""
+
+    seen: list[float] = []
+
+    def compute_loss(self, *args, **kwargs):
+        scale = step_feeds().get("scale", 1.0)
+        FedScale.seen.append(float(scale))
+        return super().compute_loss(*args, **kwargs) * scale
+
+
+def fed_model(**compile_args):
+    keras.utils.set_random_seed(0)
+    model = FedScale([keras.Input((8,)), keras.layers.Dense(1, name="fc")], name="fed")
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse", **compile_args)
+    return model
+
+
+def configs(out: str) -> None:
+    """Keras-on-JAX configurations: a slow input pipeline, a train step without jit, feeds under jit."""
+    x, y = data()
+    result = {}
+
+    # a 40 ms generator: the batch loads in the step's data wait (as on torch), not in its forward pass
+    slow = ProfilerHook(save_steps=2, output_dir=os.path.join(out, "slow"), tensorboard=False)
+    probe = EndProbe()
+    tiny_model("slow").fit(slow_batches(x, y), epochs=1, callbacks=[slow, HookCallback([probe])], verbose=0)
+    result["slow"] = {"paths": [os.path.basename(p) for p in slow.saved_paths],
+                      "data_wait_us": [phase_us(p, "data_wait") for p in slow.saved_paths],
+                      "forward_us": [phase_us(p, "forward") for p in slow.saved_paths],
+                      "steps": probe.steps, "ended": probe.ended}
+
+    # jit_compile=False: one warning saying why the ops have no scopes
+    eager = tiny_model("eager")
+    eager.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", jit_compile=False)
+    unjitted = ProfilerHook(save_steps=2, output_dir=os.path.join(out, "unjitted"), tensorboard=False)
+    eager.fit(x, y, batch_size=8, epochs=2, callbacks=[unjitted], verbose=0)
+    result["unjitted_paths"] = len(unjitted.saved_paths)
+
+    # FeedFnHook: refused under jit before any step, fed every step when the step runs eagerly
+    scales = iter([1.0, 2.0, 3.0, 4.0, 5.0, 6.0])
+    jitted = fed_model()
+    try:
+        jitted.fit(x, y, batch_size=8, epochs=1, callbacks=[FeedFnHook(lambda: {"scale": next(scales)})], verbose=0)
+    except ValueError as error:
+        result["feed_under_jit"] = str(error)
+    result["feed_under_jit_iterations"] = int(jitted.optimizer.iterations.numpy())
+    FedScale.seen.clear()
+    scales = iter([1.0, 2.0, 3.0, 4.0, 5.0, 6.0])
+    fed_model(run_eagerly=True).fit(x, y, batch_size=8, epochs=1,
+                                    callbacks=[FeedFnHook(lambda: {"scale": next(scales)})], verbose=0)
+    result["fed_eagerly"] = list(FedScale.seen)
+    with open(os.path.join(out, "result.json"), "w") as f:
+        json.dump(result, f)
+
+
 if __name__ == "__main__":
-    main(sys.argv[1])
+    configs(sys.argv[1]) if sys.argv[2:] == ["configs"] else main(sys.argv[1])

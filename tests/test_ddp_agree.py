@@ -40,6 +40,15 @@ def test_a_nan_on_one_rank_stops_both_at_that_step(tmp_path):
     assert [r["global_step"] for r in ranks] == [3, 3]
 
 
+def test_a_nan_on_one_rank_fails_both_at_that_step_with_the_same_error(tmp_path):
+    ranks = fit("nan_fail", tmp_path)  # NanTensorHook("loss", fail_on_nan_loss=True); NaN on rank 1 from step 3
+    assert [r["global_step"] for r in ranks] == [3, 3]
+    assert ranks[0]["error"] == ("NanLossDuringTrainingError: NaN loss during training. Global step 3, rank 0: the "
+                                 "loss was NaN on another rank; every rank fails at this step.")
+    assert ranks[1]["error"] == ("NanLossDuringTrainingError: NaN loss during training. Global step 3, rank 1: the "
+                                 "loss was NaN on this rank; every rank fails at this step.")
+
+
 def test_a_user_hook_stopping_one_rank_stops_both(tmp_path):
     ranks = fit("user_stop", tmp_path)  # request_stop() on rank 1 at step 3
     assert [r["global_step"] for r in ranks] == [3, 3]

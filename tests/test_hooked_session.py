@@ -336,7 +336,7 @@ def test_a_seconds_trace_the_other_rank_asks_for_traces_that_one_step_only(tmp_p
     from tests.conftest import FakeClock
 
     hook = ProfilerHook(save_secs=1000, output_dir=str(tmp_path), tensorboard=False, clock=FakeClock())
-    agree = OtherRank(lambda call: [False, True, False] if call == 2 else None)  # the other rank's clock: call 2
+    agree = OtherRank(lambda call: [False, True] if call == 2 else None)  # the other rank's clock: call 2
     session = ManualSession(rank=0, world_size=2, agree=agree)
     driver = HookedSession([hook], HostTracer, StepTraceCoordinator())
     driver.begin()

@@ -179,3 +179,48 @@ def test_the_profile_tab_has_hookprofs_step_and_jaxs_own_xspace_beside_it(jax_ru
             data, _ = raw_to_tool_data.xspace_to_tool_data([native_path], "trace_viewer", {})
             shown = {event.get("name") for event in json.loads(data)["traceEvents"]}
             assert hlo_ops <= shown, sorted(hlo_ops - shown)[:10]
+
+
+@pytest.fixture(scope="module")
+def jax_configs(tmp_path_factory):
+    """tests/keras_jax_fit.py's `configs`: a slow generator, a train step without jit, FeedFnHook under jit."""
+    out = tmp_path_factory.mktemp("keras_jax_configs")
+    env = {**os.environ, "KERAS_BACKEND": "jax", "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run([sys.executable, "-m", "tests.keras_jax_fit", str(out), "configs"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    with open(out / "result.json") as f:
+        return json.load(f), done.stderr
+
+
+def test_a_slow_input_pipeline_shows_as_data_wait_not_forward(jax_configs):
+    """Keras on JAX fetches the batch inside the train function: a 40 ms generator showed as a 40 ms forward pass
+    and no data wait. (Step 2's batch was read ahead by Keras, looking at the generator's first batches.)"""
+    slow = jax_configs[0]["slow"]
+    assert slow["paths"] == ["timeline-2.json", "timeline-4.json", "timeline-6.json"]
+    assert all(wait >= 35_000 for wait in slow["data_wait_us"][1:]), slow
+    assert all(forward < 35_000 for forward in slow["forward_us"][1:]), slow
+
+
+def test_a_generator_running_out_ends_the_epoch_and_the_hooks_end(jax_configs):
+    """The step that finds the generator empty raises StopIteration inside the train function: Keras ends the epoch
+    there, and the fit goes on to its end; the hooks' `end()` ran (it did not: the fit was closed as failed)."""
+    slow = jax_configs[0]["slow"]
+    assert slow["steps"] == [1, 2, 3, 4, 5, 6] and slow["ended"]
+
+
+def test_a_train_step_without_jit_says_once_why_its_ops_have_no_scopes(jax_configs):
+    result, stderr = jax_configs
+    assert result["unjitted_paths"] == 6  # 2 epochs of 6 steps, every second traced
+    assert stderr.count("keras_prof: this model's train step runs without jit (jit_compile=False), so JAX runs each "
+                        "op as its own small program: traced steps show the ops without scopes, all as 'forward'") == 1
+
+
+def test_feed_fn_hook_is_refused_under_jit_and_feeds_every_step_eagerly(jax_configs):
+    result = jax_configs[0]
+    assert result["feed_under_jit"] == (
+        "FeedFnHook feeds each step through hookprof.step_feeds(), but Keras on jax compiles the train step (traced "
+        "once, then replayed): it would read the first step's values on every step. Compile the model with "
+        "run_eagerly=True (model.compile(..., run_eagerly=True)) to feed each step.")
+    assert result["feed_under_jit_iterations"] == 0  # refused before the first step
+    assert result["fed_eagerly"][-6:] == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]  # (Keras' build reads it once before)

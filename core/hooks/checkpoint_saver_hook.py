@@ -101,6 +101,8 @@ class CheckpointSaverHook(PeriodicHook):
             that is not a bool.
     """
 
+    agreed_schedule = True  # (see PeriodicHook)
+
     def __init__(
         self,
         checkpoint_dir: str | os.PathLike,
@@ -206,12 +208,12 @@ class CheckpointSaverHook(PeriodicHook):
             self._save(session, step)  # (TF ignores a listener's stop request here)
 
     def quiet_on(self, global_step: int) -> bool:
-        return self._agreeing or not self._timer.should_trigger_for_step(
+        return not self._timer.should_trigger_for_step(
             global_step + getattr(self._session, "steps_per_run", 1))  # (steps_per_run, without its call: every step)
 
     def after_run(self, run_context, run_values) -> None:
-        if not self._agreeing:
-            self._save_if(self._timer.should_trigger_for_step(run_context.session.global_step), run_context)
+        # (where the ranks agree, the timer is due only inside `agreed`: the save happens there, on every rank)
+        self._save_if(self._timer.should_trigger_for_step(run_context.session.global_step), run_context)
 
     def _save_if(self, due: bool, run_context) -> None:
         if due:
@@ -222,19 +224,14 @@ class CheckpointSaverHook(PeriodicHook):
                 run_context.request_stop()
 
     # Under DDP every rank saves at once (Lightning's save is collective): a seconds schedule, read on each
-    # rank's clock, is agreed after each step (a step schedule is the same on every rank already).
+    # rank's clock, is agreed after each step (`PeriodicHook`), and the agreed save made at once, on every rank.
 
     def may_request_stop(self) -> bool:
         return bool(self._listeners)  # a listener's after_save may ask
 
-    def votes(self) -> int:
-        return 0 if self.save_secs is None else 1
-
-    def vote(self, global_step: int) -> tuple[bool]:
-        return (self._timer.should_trigger_for_step(global_step),)
-
     def agreed(self, run_context, decisions: tuple[bool, ...]) -> None:
-        self._save_if(decisions[0], run_context)
+        super().agreed(run_context, decisions)
+        self._save_if(self._timer.should_trigger_for_step(run_context.session.global_step), run_context)
 
     def end(self, session: Any) -> None:
         last_step = _global_step(session)

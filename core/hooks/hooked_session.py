@@ -139,9 +139,11 @@ class HookedSession:
             hook.begin()
 
     def after_create_session(self, session: Session) -> None:
+        self._ballot = Ballot.for_fit(session, self.hooks)
+        if isinstance(session, Session):
+            session.agreeing = self._ballot is not None  # (what the voters read: see `Session.agreeing`)
         for hook in self.hooks:
             hook.after_create_session(session, None)
-        self._ballot = Ballot.for_fit(session, self.hooks)
 
     def before_run(self, session: Session, step_key: Hashable,
                    original_args: SessionRunArgs | Callable[[], SessionRunArgs]) -> None:
@@ -209,6 +211,11 @@ class HookedSession:
     def restart_data_clock(self) -> None:
         """Work between steps that is not data loading (validation) ended now."""
         self._traces.restart_data_clock()
+
+    @property
+    def trace_pending(self) -> bool:
+        """Whether `start_trace` would start a trace `before_run` deferred (`defer_trace`)."""
+        return self._pending_trace is not None
 
     def start_trace(self) -> None:
         """Start the trace `before_run` deferred (`defer_trace`), if any: call it where the step itself runs."""

@@ -14,7 +14,7 @@ from hookprof._runtime import arguments
 from hookprof._runtime.warn_once import WarnOnce
 from hookprof.hooks.session import steps_per_run
 from hookprof.hooks.session_run_hook import SessionRunHook
-from hookprof.hooks.timer import NeverTriggerTimer, SecondOrStepTimer
+from hookprof.hooks.timer import AgreedTimer, NeverTriggerTimer, SecondOrStepTimer
 
 
 class PeriodicHook(SessionRunHook):
@@ -24,11 +24,20 @@ class PeriodicHook(SessionRunHook):
     run: before `begin` (Keras, by hand) or between `begin` and `after_create_session` (Lightning restores
     checkpoints there). A run that starts at a global step above 0 with no saved schedule continues a step
     schedule from the uninterrupted run's last fire (`first_fire` + a multiple of `save_steps`).
+
+    Where the ranks of a fit agree (`session.agreeing`, under DDP), the seconds schedule of a hook whose fires
+    must be the same on every rank (`agreed_schedule`), read on each rank's clock, fires by what they agreed:
+    the timer becomes an `AgreedTimer`, each rank proposes a fire after each step (`vote`: its own timer asked
+    by `_schedule_fires`), and `agreed` records the decision, which the hook reads from its timer where it
+    always does (a step schedule is the same on every rank already).
     """
 
     # the global step of an uninterrupted run's first fire on a steps schedule, the others following every
     # `save_steps` (TF: ProfilerHook at N, 2N; CheckpointSaverHook at 0, N; SummarySaverHook at its first step)
     first_fire = 0
+    # whether every rank must fire on the same steps (a collective save, traces merged across ranks): then a
+    # seconds schedule is agreed where the ranks agree (see above); a hook whose fires are its rank's own says no
+    agreed_schedule = False
 
     def __init__(self, save_steps: int | None, save_secs: float | None, output_dir: Any,
                  clock: Callable[[], float] | None = None, schedule_optional: bool = False):
@@ -50,7 +59,6 @@ class PeriodicHook(SessionRunHook):
         # the running step fires the schedule: set by the subclass's before_run, read back and cleared by its
         # after_run (`_step_done`); `state_dict` reads it in between
         self._due = False
-        self._agreeing = False  # the ranks of this distributed fit agree this hook's decisions (`votes`)
 
     def _run_steps(self) -> int:
         """How many global steps the coming step advances (TF's steps_per_run; see `Session.steps_per_run`)."""
@@ -72,8 +80,8 @@ class PeriodicHook(SessionRunHook):
 
     def after_create_session(self, session: Any, coord: Any) -> None:
         self._session = session
-        # a seconds schedule (or a trigger) decides on this rank's clock: the ranks agree it (see `votes`)
-        self._agreeing = getattr(session, "world_size", 1) > 1 and self.votes() > 0
+        own = self._timer.own if isinstance(self._timer, AgreedTimer) else self._timer
+        self._timer = AgreedTimer(own) if getattr(session, "agreeing", False) and self._agrees_schedule() else own
         step = getattr(session, "global_step", 0) or 0
         last = self._timer.last_triggered_step()
         if self._restored and last is not None and last > step:
@@ -86,6 +94,29 @@ class PeriodicHook(SessionRunHook):
             # schedules count from the resume.
             self._timer.update_last_triggered_step(step - (step - self.first_fire) % self.save_steps)
         self._restored = False  # a later run starts its own count
+
+    # --- under DDP: a seconds schedule's fires are one decision for all ranks ---------------------------------
+
+    def _agrees_schedule(self) -> bool:
+        return self.agreed_schedule and self.save_secs is not None  # (a step schedule is the same everywhere)
+
+    def votes(self) -> int:
+        return int(self._agrees_schedule())
+
+    def vote(self, global_step: int) -> tuple[bool, ...]:
+        timer = self._timer
+        if not self._agrees_schedule():
+            return ()
+        return (isinstance(timer, AgreedTimer) and self._schedule_fires(global_step, timer.own),)
+
+    def agreed(self, run_context, decisions: tuple[bool, ...]) -> None:
+        if isinstance(self._timer, AgreedTimer):
+            self._timer.due = decisions[0]
+
+    def _schedule_fires(self, global_step: int, timer: Any) -> bool:
+        """Whether `timer` fires the schedule after the step that reached `global_step` (a subclass that acts
+        before a step asks about the next one)."""
+        return timer.should_trigger_for_step(global_step)
 
     def _step_done(self) -> bool:
         """This hook's after_run of the running step has begun (it brings its timer up to date): whether the step

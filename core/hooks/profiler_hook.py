@@ -18,7 +18,6 @@ from hookprof._runtime.atomic_file import remove_stale_temps
 from hookprof.hooks.capture import CaptureOptions, CapturePipeline
 from hookprof.hooks.periodic_hook import PeriodicHook
 from hookprof.hooks.session_run_hook import RunOptions, SessionRunArgs, TraceLevel
-from hookprof.hooks.timer import AgreedTimer
 from hookprof.hooks.trigger_watch import CaptureWindow, TriggerWatch
 from hookprof.profiler.profiler import Profiler
 from hookprof.trace.writer import ChromeTraceWriter
@@ -90,6 +89,8 @@ class ProfilerHook(PeriodicHook):
         from lightning_prof import ProfilerHook
         trainer = Trainer(callbacks=[ProfilerHook(save_steps=100, output_dir="runs/prof")])
     """
+
+    agreed_schedule = True  # (see PeriodicHook)
 
     pipeline_class: type[CapturePipeline] = CapturePipeline  # what carries traced steps to disk
 
@@ -206,10 +207,6 @@ class ProfilerHook(PeriodicHook):
         super().after_create_session(session, coord)
         rank = getattr(session, "rank", 0)
         self._writes_here = self.ranks is None or rank in self.ranks
-        # Under DDP a seconds schedule is read on each rank's clock: the ranks agree after each step whether the
-        # next is traced (`agreed`), so that every rank traces the same steps and merged traces line up
-        own = self._timer.own if isinstance(self._timer, AgreedTimer) else self._timer
-        self._timer = AgreedTimer(own) if self._agreeing and self.save_secs is not None else own
         self.watch.start(session, self._writes_here)  # (the render worker starts with the first traced step)
 
     def _traces_step(self, global_step: int, timer: Any = None) -> bool:
@@ -240,21 +237,22 @@ class ProfilerHook(PeriodicHook):
     # --- under DDP: which steps are traced is one decision for all ranks -------------------------------------
 
     def votes(self) -> int:
-        """A seconds schedule and the triggers decide on what each rank sees: the ranks agree them (the next
-        step traced by the schedule; a trigger's capture window), so each rank traces the same steps."""
-        return 2 if self.save_secs is not None or self.triggers else 0
+        """A seconds schedule and the triggers decide on what each rank sees: the ranks agree them (whether the
+        schedule traces the next step: see `PeriodicHook`; a trigger's capture window), so each rank traces the
+        same steps and merged traces line up."""
+        return super().votes() + bool(self.triggers)
 
-    def vote(self, global_step: int) -> tuple[bool, bool]:
-        timer = self._timer
-        agreed = isinstance(timer, AgreedTimer)
-        return (agreed and self._traces_step(global_step, timer.own), self.watch.opened_at(global_step))
+    def vote(self, global_step: int) -> tuple[bool, ...]:
+        schedule = super().vote(global_step)
+        return (*schedule, self.watch.opened_at(global_step)) if self.triggers else schedule
 
     def agreed(self, run_context, decisions: tuple[bool, ...]) -> None:
-        trace_next, window = decisions
-        if isinstance(self._timer, AgreedTimer):
-            self._timer.due = trace_next
-        if window:  # a trigger fired on some rank: every rank captures the next steps
+        super().agreed(run_context, decisions[:super().votes()])
+        if self.triggers and decisions[-1]:  # a trigger fired on some rank: every rank captures the next steps
             self.watch.join(run_context.session.global_step, self.output_dir)
+
+    def _schedule_fires(self, global_step: int, timer: Any) -> bool:
+        return self._traces_step(global_step, timer)  # (the step a trace starts before: the next one)
 
     def after_run(self, run_context, run_values) -> None:
         timer = self._timer

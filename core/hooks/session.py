@@ -25,6 +25,10 @@ class Session:
     # The layout of image batches in this framework ("NHWC", "NCHW"), where it has one (Keras:
     # `image_data_format()`, channels_last by default, also on its torch backend); None: guess by array type.
     image_format: str | None = None
+    # Whether the ranks of this fit make the hooks' decisions together (`hookprof.hooks.agreement.Ballot`): set
+    # by the driver before the hooks' `after_create_session`. Then a hook that `votes` acts on what `agreed`
+    # says, never on what its own rank sees alone; False in one process.
+    agreeing = False
 
     def __init__(self, model: Any = None, rank: int = 0, world_size: int = 1) -> None:
         self.model = model

@@ -108,8 +108,9 @@ class SecondOrStepTimer:
 
 class AgreedTimer:
     """A timer whose fires the ranks of a distributed fit decide together: `should_trigger_for_step` says what
-    they agreed after the previous step (`due`, set by the hook's `agreed`); the rank's own timer (`own`, read
-    on its own clock) only proposes, and keeps the schedule's record (the last fire, the saved state)."""
+    they agreed after the last step (`due`, set by the hook's `agreed`, cleared by the fire); the rank's own
+    timer (`own`, read on its own clock) only proposes, and keeps the schedule's record (the last fire, the
+    saved state). `PeriodicHook` installs it where the ranks agree."""
 
     def __init__(self, own: SecondOrStepTimer | NeverTriggerTimer) -> None:
         self.own = own
@@ -120,7 +121,8 @@ class AgreedTimer:
         self.due = False
 
     def should_trigger_for_step(self, step: int) -> bool:
-        return self.due
+        # (a first fire needs no agreement: every rank's timer fires the first time it is asked)
+        return self.due or self.own.last_triggered_step() is None
 
     def update_last_triggered_step(self, step: int) -> tuple[float | None, int | None]:
         self.due = False  # (the agreed fire happened: the next needs a new agreement, which the ballot makes only

@@ -49,20 +49,56 @@ def _module_label(module: Any, local_names: dict[int, str]) -> str:
     return root_label(module) if label is None else label
 
 
+def _compiled(path: str, module: Any) -> list[str]:
+    """What of `module` (at `path` in the model) runs code `torch.compile` made, as a user would have written it."""
+    if getattr(module, "_compiled_call_impl", None) is not None:
+        return [f"{path}.compile()"]
+    if "_orig_mod" in getattr(module, "_modules", {}) and hasattr(module, "_torchdynamo_orig_callable"):
+        return [f"torch.compile({path})"]  # an OptimizedModule: its own module calls run compiled
+    # a method replaced by its compiled self (Lightning's `trainer.fit(torch.compile(model))`, a user's own)
+    return [f"torch.compile({path}.{name})" for name, value in vars(module).items()
+            if hasattr(value, "_torchdynamo_orig_callable")]
+
+
 class _ModuleScopes:
-    """Global forward hooks that wrap each module call in a `record_function` span while installed."""
+    """Global forward hooks that wrap each module call in a `record_function` span while installed.
+
+    Module calls inside code `torch.compile` made call no forward hooks: their ops get no scope (they show
+    under torch's `Torch-Compiled Region` and `CompiledFunction` spans). `compiled` names that code. A module
+    compiled in place (`module.compile()`) runs its hooks itself, and global hooks that come and go make dynamo
+    recompile it, with graph breaks, inside the traced step: no hooks are installed then (`skips`)."""
 
     def __init__(self, root: Any) -> None:
         self._local_names: dict[int, str] = {}
+        self.compiled: list[str] = []
         if root is not None:
-            self._local_names[id(root)] = root_label(root)
+            label = root_label(root)
+            self._local_names[id(root)] = label
             for path, module in root.named_modules():
                 if path:
                     self._local_names.setdefault(id(module), path.rsplit(".", 1)[-1])
+                self.compiled += _compiled(f"{label}.{path}" if path else label, module)
+        self.skips = any(name.endswith(".compile()") for name in self.compiled)
         self._open: list[Any] = []
         self._handles: list[Any] = []
 
+    def say_compiled(self) -> None:
+        """Say why a compiled model's timelines lack module scopes, and what gives them (the caller says it once
+        per fit)."""
+        if self.skips:
+            why = ("hookprof adds no module scopes in this fit: its forward hooks would make torch recompile a "
+                   "module compiled in place, with graph breaks, inside each traced step")
+        else:
+            why = ("module calls inside compiled code call no forward hooks, so their ops have no module scopes of "
+                   "their own (a compiled submodule's ops show under its own scope, torch's 'Torch-Compiled "
+                   "Region' and 'CompiledFunction' spans under the scope that called them)")
+        shown = ", ".join(self.compiled[:3]) + (f" and {len(self.compiled) - 3} more" if len(self.compiled) > 3 else "")
+        log.warning("The model runs code torch.compile made (%s): %s. To see every module's scope, trace a run "
+                    "without torch.compile (or with TORCHDYNAMO_DISABLE=1).", shown, why)
+
     def install(self) -> None:
+        if self.skips:
+            return
         from torch.nn.modules import module as nn_module
 
         record_function = record_function_class()
@@ -156,12 +192,14 @@ class TorchTracer(Tracer):
         self._options = RunOptions()
         self._identities: _Identities | None = None
         self._identity: tuple[str, str] | None = None
+        self._fit_state: dict[str, Any] = {}  # (see `bind_fit`)
 
     def bind_fit(self, state: dict[str, Any]) -> None:
         identities = state.get("torch_identities")
         if identities is None:  # (the fit's first traced step: a uuid and a lock made once, not every step)
             identities = state["torch_identities"] = _Identities()
         self._identities = identities
+        self._fit_state = state
 
     def start(self, options: RunOptions) -> None:
         from torch.autograd import profiler as autograd_profiler
@@ -199,6 +237,9 @@ class TorchTracer(Tracer):
             **({"experimental_config": export_only} if export_only is not None else {}),
         )
         scopes = _ModuleScopes(self._root)
+        if scopes.compiled and not self._fit_state.get("said_compiled"):
+            self._fit_state["said_compiled"] = True
+            scopes.say_compiled()
         try:
             with _quiet_kineto():
                 prof.__enter__()
