@@ -16,6 +16,7 @@ ops); other backends get the host tracer (phase spans only) and one warning.
 
 from __future__ import annotations
 
+import collections.abc
 import itertools
 import logging
 import os
@@ -121,7 +122,8 @@ class _TrainStepWatch:
         try:
             driver = fit.driver
             if driver is not None:
-                if fit.fetches_in_step and driver.trace_pending and len(args) == 2 and not kwargs:
+                if (fit.fetches_in_step and driver.trace_pending and len(args) == 2 and not kwargs
+                        and isinstance(args[1], collections.abc.Iterator)):  # (Keras < 3.7: a loaded list)
                     args = (args[0], fetched_first(args[1]))  # the batch loads before the trace starts: data wait
                 driver.start_trace()  # (the tracer runs only inside the step: see HookedSession)
             return self.function(*args, **kwargs)

@@ -246,3 +246,23 @@ def test_the_render_worker_preloads_what_render_step_needs():
     for name in capture.WORKER_MODULES:
         if name.startswith("hookprof."):
             importlib.import_module(name)
+
+
+@pytest.mark.parametrize("starting, answered, waited", [(True, False, 10.0), (False, True, 0.3), (False, False, 0.3)],
+                         ids=["starting", "answered", "none can run"])
+def test_a_traced_step_waits_for_the_worker_its_own_cost_unless_the_worker_is_starting(monkeypatch, starting, answered,
+                                                                                      waited):
+    """A worker still starting (its interpreter and imports) gets `render_stall_seconds`; otherwise, one rendering
+    the previous step or none at all (renders then run in this process), the step's own cost."""
+    from hookprof._runtime import worker
+
+    class Rendering:
+        def wait(self, timeout):
+            self.timeout = timeout
+            return True
+
+    monkeypatch.setattr(worker, "WORKER", types.SimpleNamespace(starting=starting, answered=answered))
+    pipeline = CapturePipeline(ChromeTraceWriter(), CaptureOptions(render_stall_seconds=10.0))
+    pipeline._rendering = rendering = Rendering()
+    assert pipeline._render_turn(0.3)
+    assert rendering.timeout == waited

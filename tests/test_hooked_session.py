@@ -344,3 +344,23 @@ def test_a_seconds_trace_the_other_rank_asks_for_traces_that_one_step_only(tmp_p
     run_steps(driver, session, 8)
     driver.end(session)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["timeline-3-rank0.json"]
+
+
+class TraceEveryStep(SessionRunHook):
+    def before_run(self, run_context):
+        return SessionRunArgs(options=RunOptions(trace_level=TraceLevel.SOFTWARE_TRACE))
+
+
+def test_a_step_that_never_ran_drops_its_deferred_trace():
+    """Keras' data running out ends a step before its train function runs: the trace deferred to the step's
+    start (`defer_trace`) must not be started later, under the next step's key, by a step that asked for none."""
+    driver = HookedSession([TraceEveryStep()], HostTracer, StepTraceCoordinator(), defer_trace=True)
+    session = ManualSession()
+    driver.begin()
+    driver.before_run(session, ("k", 0), SessionRunArgs())
+    assert driver.trace_pending
+    driver.abort_step()
+    assert not driver.trace_pending
+    driver.start_trace()  # (what the next step's start would do)
+    assert not driver._traces.active
+    driver.end(session)

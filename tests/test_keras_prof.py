@@ -243,3 +243,28 @@ def test_a_fit_with_every_keras_prof_hook_adds_no_deprecation_or_resource_warnin
     fit(model(), [profiler, summaries, keras_prof.StepCounterHook(every_n_steps=2, output_dir=tmp_dir),
                   keras_prof.LoggingTensorHook({"loss": "loss"}, every_n_iter=2), keras_prof.NanTensorHook("loss")])
     assert timeline_steps(tmp_dir) == [3, 6, 9, 12] and summaries.hook.summary_errors == 0
+
+
+def test_a_jax_train_function_given_loaded_batches_gets_them_as_they_are():
+    """Keras on JAX before 3.7 hands `train_function(state, data)` a list of batches it loaded already; 3.7+ an
+    iterator, whose first batch keras_prof fetches before the trace starts (the data wait). A list passes as it
+    is (`next` on it failed the fit)."""
+    import types
+
+    from keras_prof.hook_callback import _TrainStepWatch
+
+    class Driver:
+        trace_pending, started = True, 0
+
+        def start_trace(self):
+            self.started += 1
+
+    seen = []
+    fit = types.SimpleNamespace(ended=False, driver=Driver(), fetches_in_step=True, close=lambda: None)
+    watch = _TrainStepWatch(lambda state, data: seen.append(data) or "ran", fit)
+    batches = [("x", "y")]
+    assert watch("state", batches) == "ran" and seen == [batches]
+    fetched = []
+    assert watch("state", (fetched.append(b) or b for b in ["a", "b"])) == "ran"
+    assert fetched == ["a"]  # the iterator's first batch was fetched before the step, the rest left to it
+    assert list(seen[1]) == ["a", "b"] and fit.driver.started == 2

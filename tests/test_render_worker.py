@@ -505,3 +505,16 @@ def test_a_slow_worker_that_still_uses_cpu_is_not_judged_hung():
         assert own.call(worker_probe.pid) != pid  # a new worker
     finally:
         own.stop()
+
+
+def test_telling_a_worker_busy_with_another_fits_step_does_not_wait_for_it():
+    """A fit's end tells the worker to forget what it kept for that fit; a worker busy rendering another fit's
+    step (its lock held) is not waited for past the tell's timeout: what it holds goes with it anyway."""
+    busy = worker.Worker()
+    busy._lock.acquire()
+    try:
+        started = time.monotonic()
+        busy.tell(print, "never run", timeout=0.2)
+        assert time.monotonic() - started < 1.0
+    finally:
+        busy._lock.release()

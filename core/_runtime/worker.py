@@ -44,7 +44,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import IO, Any
 
 AVAILABLE = os.name == "posix"
@@ -53,6 +53,18 @@ _POLL_SECONDS = 0.5  # how often a side waiting for the other checks that it sti
 _EXIT_SECONDS = 5.0  # how long the training process's exit waits for the worker to finish a call
 
 log = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def _held(lock: threading.Lock, timeout: float | None) -> Iterator[bool]:
+    """`lock` held for the block, waited for `timeout` seconds at most (None: as long as it takes): whether
+    it was taken."""
+    taken = lock.acquire(timeout=-1 if timeout is None else timeout)
+    try:
+        yield taken
+    finally:
+        if taken:
+            lock.release()
 
 
 class WorkerFailed(RuntimeError):
@@ -97,7 +109,9 @@ class Worker:
     def _call(self, fn: Callable[..., Any], args: tuple[Any, ...], timeout: float | None, start: bool,
               stall: float | None = None) -> Any:
         request = pickle.dumps((fn, args), protocol=pickle.HIGHEST_PROTOCOL)
-        with self._lock:
+        with _held(self._lock, None if start else timeout) as held:
+            if not held:  # (busy with another fit's step: a `tell` is skipped, not waited for)
+                return None
             process = self._process
             if start:
                 process = self._started()
@@ -183,6 +197,13 @@ class Worker:
         """Whether the running worker has answered a call (one that has not is still starting: an interpreter
         and its imports take a second or more on a loaded machine)."""
         return self._process is not None and self._answered
+
+    @property
+    def starting(self) -> bool:
+        """Whether a worker process is running that has not answered a call yet (none can run here once the
+        first one died before answering: calls render in the caller's process then)."""
+        process = self._process
+        return process is not None and not self._answered and self._broken is None and process.poll() is None
 
     def _forget(self) -> None:
         """In a forked child (a DataLoader worker): the worker is the parent's; this process starts its own

@@ -374,7 +374,7 @@ class CapturePipeline:
         self._rendering: BackgroundJob | None = None  # the last job waiting for the render worker (RENDERS)
         self._run_paths: set[str] = set()  # the timelines this run wrote (another fit's are never overwritten)
         self._writes: collections.deque[BackgroundJob] = collections.deque()  # on the disk's worker, in order
-        self._last_graph: tuple[int, bytes | None] = (0, None)  # (id of the run's event stream, graph digest)
+        self._last_graph: dict[int, bytes | None] = {}  # a sink's last step graph (see `store`), by the sink's id
         self.skipped_traces = 0  # steps due to be traced while max_pending_writes files waited for the disk
         self.skipped_since_file = 0  # of those, the ones no file's metadata has reported yet
 
@@ -397,7 +397,7 @@ class CapturePipeline:
         self.retention.reset()
         self._run_paths.clear()
         self.profile_retention.reset()
-        self._last_graph = (0, None)  # (a new run's event stream gets its graph; ids live as long as the run)
+        self._last_graph = {}  # (a new run's sink gets its graph; ids live as long as the run)
 
     def room_to_write(self) -> bool:
         """Whether fewer than max_pending_writes of this pipeline's rendered steps wait for the disk, after giving
@@ -503,7 +503,7 @@ class CapturePipeline:
         rendering = self._rendering
         if rendering is None:
             return True
-        return rendering.wait(budget if worker.WORKER.answered else self.options.render_stall_seconds)
+        return rendering.wait(self.options.render_stall_seconds if worker.WORKER.starting else budget)
 
     def render_elsewhere(self, job: Job, exported: Any) -> Rendered | None:
         """On `RENDERS`: the step rendered by the render worker (here if none can start)."""
@@ -574,15 +574,20 @@ class CapturePipeline:
                                rendered.native_xspace)
         events = rendered.events
         if events:
-            graph = (id(job.events), rendered.graph_digest)
-            if graph[1] is not None and graph == self._last_graph:
+            digest, ours = rendered.graph_digest, isinstance(job.events, EventWriter)
+            # (the last graph: kept by hookprof's own stream, which hooks share; by this pipeline for a sink)
+            last = job.events.graph_digest if ours else self._last_graph.get(id(job.events))
+            if digest is not None and digest == last:
                 events = events[1:]
             try:
                 for event in events:
-                    if isinstance(event, SerializedEvent) and not isinstance(job.events, EventWriter):
+                    if isinstance(event, SerializedEvent) and not ours:
                         event = event.proto()  # a sink passing events to someone else's writer
                     job.events.add_event(event)
-                self._last_graph = graph
+                if ours:
+                    job.events.graph_digest = digest
+                else:
+                    self._last_graph = {id(job.events): digest}
             except Exception as err:  # TensorBoard output must not end the training run either
                 count_dropped(self._counts)
                 reason = (err.strerror or str(err)) if isinstance(err, OSError) else type(err).__name__

@@ -264,8 +264,9 @@ class HookedSession:
         return stop
 
     def abort_step(self) -> None:
-        """The step raised: no after_run; stop any running trace so the next fit can trace again."""
-        self._context = None
+        """The step raised (or never ran: Keras' data ran out): no after_run; stop any running trace, and drop one
+        deferred to the step's start, so the next step starts its own (or none)."""
+        self._context = self._pending_trace = None
         abort_running_step(self._traces)
 
     def end(self, session: Session) -> None:

@@ -103,6 +103,9 @@ class EventWriter:
         self.path: str | None = None  # the file being written
         self._events_in_file = 0
         self._lock = threading.Lock()  # hooks write from the training thread and ProfilerHook's background one
+        # the digest of the last step graph a ProfilerHook wrote here: the hooks sharing this stream write a graph
+        # only when it changes (TensorBoard keeps one a run, and warns for each other)
+        self.graph_digest: bytes | None = None
 
     def add_event(self, event: Any) -> None:
         record = tf_record(event.SerializeToString())

@@ -391,7 +391,7 @@ def _device_plane(ordinal: int, streams: dict[int, list[NodeExecStats]], ops: di
     attribute the kernel's time to it) and its launch configuration (`kernel_details`); and a "Steps" line
     with the step's span, which xprof takes as the step on a GPU (it splits it by the device's events alone).
     The plane's stats are the GPU's model and capabilities where kineto exported them (`properties`)."""
-    plane = _Plane(ordinal, f"{GPU_PLANE_PREFIX}{ordinal}")
+    plane = _Plane(3 + ordinal, f"{GPU_PLANE_PREFIX}{ordinal}")  # (ids: the host's 1, the task's 2)
     for stat, key in _DEVICE_CAPS:
         if properties and properties.get(key) is not None:
             plane.add_stat(stat, properties[key])
