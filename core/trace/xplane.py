@@ -295,6 +295,7 @@ def _step_xspace(stats: StepStats, hostname: str) -> bytes:
     plane = _Plane(1, HOST_PLANE)
     group = plane.stat(GROUP_ID, step)
     described: dict[tuple, tuple[int, bytes]] = {}  # what nodes alike have: their metadata and stats
+    unscoped: dict[tuple, tuple[bytes, bytes]] = {}  # the same but their scope: the stats around it
     threads: dict[int, list[NodeExecStats]] = {}
     for node in nodes:
         threads.setdefault(node.thread_id, []).append(node)
@@ -315,7 +316,7 @@ def _step_xspace(stats: StepStats, hostname: str) -> bytes:
             signature = (node.category, node.op, node.scope, node.phase, shapes, id(node.input_dtypes))
             found = described.get(signature)
             if found is None:  # (the nodes, so their lists, live as long as this: ids are not reused)
-                found = described[signature] = _node_stats(plane, node, group, shapes)
+                found = described[signature] = _node_stats(plane, node, group, shapes, unscoped)
             events.append(_event(found[0], (node.start_ns - base) * 1000, node.duration_ns * 1000, found[1]))
         plane.add_line(tid, thread_names.get(tid, f"thread {tid}"), events)
     _add_memory(plane, stats, base, group)
@@ -339,27 +340,38 @@ def _step_thread(thread_names: dict[int, str]) -> int | None:
     return next((tid for tid, name in thread_names.items() if name == fmt.STEP_PHASES_THREAD), None)
 
 
-def _node_stats(plane: _Plane, node: NodeExecStats, group: bytes, shapes: bytes | None) -> tuple[int, bytes]:
+def _node_stats(plane: _Plane, node: NodeExecStats, group: bytes, shapes: bytes | None,
+                unscoped: dict[tuple, tuple[bytes, bytes]]) -> tuple[int, bytes]:
     """A node's event metadata (ops: by scope and op) and its event's stats: its step, what makes xprof count
     an op (read from the event itself, not its metadata), and what the timeline's args say of it (the trace
-    viewer shows them)."""
-    stats = [group]
+    viewer shows them). The stats before and after its scope are those of every node alike but for the scope,
+    made once (`unscoped`); stats are interned in the order they are written either way."""
     if node.category == fmt.CAT_OP:
         key = plane.event_id(_op_name(node))
-        stats += [plane.stat(IPL_STAGE_ID, key), plane.stat(IPL_STAGE_CAT, node.op), plane.stat(IS_EAGER, 1)]
+        head = group + plane.stat(IPL_STAGE_ID, key)
     else:
         key = plane.event_id(node.op)
-    if node.category == fmt.CAT_SPAN and node.op == fmt.DATA_WAIT:
-        stats.append(plane.stat(IPL_STAGE_NAME, fmt.DATA_WAIT))
-    if node.phase:
-        stats.append(plane.stat(fmt.ARG_PHASE, node.phase))
-    if node.scope:
-        stats.append(plane.stat(fmt.ARG_SCOPE, node.scope))
-    if shapes is not None:
-        stats.append(plane.stat(fmt.ARG_INPUT_SHAPES, shapes.decode()))
-        if node.input_dtypes:
-            stats.append(plane.stat(fmt.ARG_INPUT_DTYPES, orjson.dumps(node.input_dtypes).decode()))
-    return key, b"".join(stats)
+        head = group
+    signature = (node.category, node.op, node.phase, shapes, id(node.input_dtypes))
+    around = unscoped.get(signature)
+    if around is None:
+        before = []
+        if node.category == fmt.CAT_OP:
+            before += [plane.stat(IPL_STAGE_CAT, node.op), plane.stat(IS_EAGER, 1)]
+        if node.category == fmt.CAT_SPAN and node.op == fmt.DATA_WAIT:
+            before.append(plane.stat(IPL_STAGE_NAME, fmt.DATA_WAIT))
+        if node.phase:
+            before.append(plane.stat(fmt.ARG_PHASE, node.phase))
+        scope = plane.stat(fmt.ARG_SCOPE, node.scope) if node.scope else b""
+        after = []
+        if shapes is not None:
+            after.append(plane.stat(fmt.ARG_INPUT_SHAPES, shapes.decode()))
+            if node.input_dtypes:
+                after.append(plane.stat(fmt.ARG_INPUT_DTYPES, orjson.dumps(node.input_dtypes).decode()))
+        around = unscoped[signature] = (b"".join(before), b"".join(after))
+    else:
+        scope = plane.stat(fmt.ARG_SCOPE, node.scope) if node.scope else b""
+    return key, head + around[0] + scope + around[1]
 
 
 def _op_name(op: NodeExecStats) -> str:
