@@ -296,6 +296,7 @@ def _step_xspace(stats: StepStats, hostname: str) -> bytes:
     group = plane.stat(GROUP_ID, step)
     described: dict[tuple, tuple[int, bytes]] = {}  # what nodes alike have: their metadata and stats
     unscoped: dict[tuple, tuple[bytes, bytes]] = {}  # the same but their scope: the stats around it
+    shapes_json: dict[int, bytes] = {}  # id(a node's input shapes) -> them as JSON (the nodes hold them)
     threads: dict[int, list[NodeExecStats]] = {}
     for node in nodes:
         threads.setdefault(node.thread_id, []).append(node)
@@ -312,7 +313,11 @@ def _step_xspace(stats: StepStats, hostname: str) -> bytes:
             if node.category == fmt.CAT_SPAN and node.op == fmt.TRAIN_STEP:
                 continue  # the marker above holds it
             # nodes alike share their metadata and stats (the dtypes list is one per signature: see kineto_trace)
-            shapes = orjson.dumps(node.input_shapes) if node.input_shapes else None
+            shapes = None
+            if node.input_shapes:  # (kineto's steps share one list per signature: serialised once)
+                shapes = shapes_json.get(id(node.input_shapes))
+                if shapes is None:
+                    shapes = shapes_json[id(node.input_shapes)] = orjson.dumps(node.input_shapes)
             signature = (node.category, node.op, node.scope, node.phase, shapes, id(node.input_dtypes))
             found = described.get(signature)
             if found is None:  # (the nodes, so their lists, live as long as this: ids are not reused)

@@ -23,6 +23,8 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+import orjson
+
 from hookprof._runtime.gc_pause import paused_gc
 from hookprof.run_options import RunOptions
 from hookprof.step_stats import NodeExecStats, StepStats
@@ -81,8 +83,6 @@ class KinetoExport:
         return {**self.__dict__, "on_mismatch": None}
 
     def to_stats(self) -> StepStats:
-        import orjson
-
         stats = StepStats(metadata={"torch_version": self.torch_version, "trace_start_ns": self.trace_start_ns})
         with open(self.path, "rb") as f:
             raw = f.read()
@@ -219,6 +219,7 @@ def _convert(events: Any, base: int, stats: StepStats, want_ids: bool = False, w
     nodes = host.node_stats
     dtype_names = _TORCH_DTYPES
     dtype_cache: dict[tuple, list[str]] = {}
+    shapes_cache: dict[bytes, list] = {}
     frames: dict[int, list[tuple[int, str]]] = {}  # thread -> open Python frames (end_ns, "file(line): func")
     for start, neg_dur, tid, _, activity, name, fields in rows:
         dur = -neg_dur
@@ -250,6 +251,9 @@ def _convert(events: Any, base: int, stats: StepStats, want_ids: bool = False, w
             else:
                 shapes = fields.get("Input Dims", [])
                 if shapes:
+                    # one list per distinct signature, shared as the dtypes are: the timeline and the XSpace
+                    # serialise each once (by its identity)
+                    shapes = shapes_cache.setdefault(orjson.dumps(shapes), shapes)
                     raw = tuple(fields.get("Input type") or ())
                     dtypes = dtype_cache.get(raw)
                     if dtypes is None:  # a step has few distinct signatures: map each once, share the list
