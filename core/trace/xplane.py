@@ -259,8 +259,17 @@ def _interned(ids: dict[str, int], name: str) -> int:
 
 def _event(metadata_id: int, offset_ps: int, duration_ps: int, stats: bytes) -> bytes:
     """An `XEvent` as an `XLine.events` field (`offset_ps`, of the `data` oneof, written even when 0)."""
-    body = (_EVENT_ID + varint(metadata_id) + _EVENT_OFFSET + varint(offset_ps)
-            + (_EVENT_DURATION + varint(duration_ps) if duration_ps else b"") + stats)
+    return _event_of(_event_head(metadata_id), offset_ps, duration_ps, stats)
+
+
+def _event_head(metadata_id: int) -> bytes:
+    """An event's fields up to its offset's value: its metadata id and the offset's tag."""
+    return _EVENT_ID + varint(metadata_id) + _EVENT_OFFSET
+
+
+def _event_of(head: bytes, offset_ps: int, duration_ps: int, stats: bytes) -> bytes:
+    """`_event` with the metadata's part made once (`_event_head`)."""
+    body = head + varint(offset_ps) + (_EVENT_DURATION + varint(duration_ps) if duration_ps else b"") + stats
     size = len(body)
     return _LINE_EVENT + (SIZES[size] if size < 2048 else varint(size)) + body
 
@@ -294,7 +303,7 @@ def _step_xspace(stats: StepStats, hostname: str) -> bytes:
 
     plane = _Plane(1, HOST_PLANE)
     group = plane.stat(GROUP_ID, step)
-    described: dict[tuple, tuple[int, bytes]] = {}  # what nodes alike have: their metadata and stats
+    described: dict[tuple, tuple[bytes, bytes]] = {}  # what nodes alike have: their metadata and stats
     unscoped: dict[tuple, tuple[bytes, bytes]] = {}  # the same but their scope: the stats around it
     shapes_json: dict[int, bytes] = {}  # id(a node's input shapes) -> them as JSON (the nodes hold them)
     threads: dict[int, list[NodeExecStats]] = {}
@@ -321,8 +330,9 @@ def _step_xspace(stats: StepStats, hostname: str) -> bytes:
             signature = (node.category, node.op, node.scope, node.phase, shapes, id(node.input_dtypes))
             found = described.get(signature)
             if found is None:  # (the nodes, so their lists, live as long as this: ids are not reused)
-                found = described[signature] = _node_stats(plane, node, group, shapes, unscoped)
-            events.append(_event(found[0], (node.start_ns - base) * 1000, node.duration_ns * 1000, found[1]))
+                key, node_stats = _node_stats(plane, node, group, shapes, unscoped)
+                found = described[signature] = (_event_head(key), node_stats)
+            events.append(_event_of(found[0], (node.start_ns - base) * 1000, node.duration_ns * 1000, found[1]))
         plane.add_line(tid, thread_names.get(tid, f"thread {tid}"), events)
     _add_memory(plane, stats, base, group)
 
