@@ -221,6 +221,7 @@ def _convert(events: Any, base: int, stats: StepStats, want_ids: bool = False, w
     dtype_cache: dict[tuple, list[str]] = {}
     shapes_cache: dict[bytes, list] = {}
     frames: dict[int, list[tuple[int, str]]] = {}  # thread -> open Python frames (end_ns, "file(line): func")
+    cat_op, cat_module, new_row = fmt.CAT_OP, fmt.CAT_MODULE, tuple.__new__  # (a row's `Row`, without its __new__)
     for start, neg_dur, tid, _, activity, name, fields in rows:
         dur = -neg_dur
         if activity == "python_function":
@@ -237,7 +238,7 @@ def _convert(events: Any, base: int, stats: StepStats, want_ids: bool = False, w
         while stack and stack[-1][0] <= start:
             stack.pop()
         scope, phase, optimizer = stack[-1][1:] if stack else ("", "", "")
-        category = fmt.CAT_OP
+        category = cat_op
         op = name
         shapes = dtypes = args = None
         if activity == "cpu_op":
@@ -274,7 +275,7 @@ def _convert(events: Any, base: int, stats: StepStats, want_ids: bool = False, w
             if name.startswith(MODULE_PREFIX):
                 op = name[len(MODULE_PREFIX):]
                 scope = f"{scope}/{op}" if scope else op
-                category = fmt.CAT_MODULE
+                category = cat_module
             elif name.startswith(OPTIMIZER_PREFIXES):
                 # Lightning runs the whole closure (forward, backward) inside Optimizer.step, so the step
                 # span only names the optimizer; the ops after backward inside it are the update.
@@ -287,7 +288,7 @@ def _convert(events: Any, base: int, stats: StepStats, want_ids: bool = False, w
             args = {"correlation": fields.get("correlation", 0)}
         if not phase:
             phase = "optimizer" if backward_end and start >= backward_end else "forward"
-        if phase == "forward" and category == fmt.CAT_OP:
+        if phase == "forward" and category == cat_op:
             seq = fields.get("Sequence number", -1)
             if seq >= 0:
                 forward_scopes.setdefault(tid, {}).setdefault(seq, scope)
@@ -295,7 +296,7 @@ def _convert(events: Any, base: int, stats: StepStats, want_ids: bool = False, w
             scope = optimizer or "optimizer"
         stack.append((start + dur, scope, phase if phase != "forward" else "", optimizer))
 
-        base = scope if category == fmt.CAT_MODULE else (f"{scope}/{op}" if scope else op)
+        base = scope if category == cat_module else (f"{scope}/{op}" if scope else op)
         count = name_counts.get(base, 0)
         name_counts[base] = count + 1
         node = NodeExecStats(
@@ -303,14 +304,16 @@ def _convert(events: Any, base: int, stats: StepStats, want_ids: bool = False, w
             None, category, args,
         )
         nodes.append(node)
-        if rows_out is not None and activity in _IDENTITY_ACTIVITIES:
-            rows_out.append(Row(node, fields.get("External id", 0), tid, name, fields.get("Input Dims"),
-                                fields.get("Input type")))
-        if activity == "cpu_op":
-            if want_ids:
-                by_external_id[fields.get("External id", 0)] = node
-            if launchers is not None:
-                launchers[fields.get("External id", 0)] = node
+        if activity in _IDENTITY_ACTIVITIES:
+            external_id = fields.get("External id", 0)
+            if rows_out is not None:
+                rows_out.append(new_row(Row, (node, external_id, tid, name, fields.get("Input Dims"),
+                                              fields.get("Input type"))))
+            if activity == "cpu_op":
+                if want_ids:
+                    by_external_id[external_id] = node
+                if launchers is not None:
+                    launchers[external_id] = node
     if launchers:
         # kineto gives each kernel the External id of the innermost op whose launch queued it
         for external_id, kernel in kernels:
