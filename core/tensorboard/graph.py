@@ -197,6 +197,7 @@ def _graph_and_run_metadata(stats: StepStats) -> tuple[bytes, bytes]:
     # its NodeDef names that device (and its outputs that allocator), so TensorBoard colours it as a GPU op;
     # its stats stay on the host's line.
     kernels_of = KernelsOf(stats)
+    output_keys: dict[tuple[int, ...], tuple] = {}  # ids of a node's output tensors (their nodes hold them) -> key
     placed: dict[int, _Signatures] = {}  # kernel device index in dev_stats -> its signatures
     for dev in stats.dev_stats:
         own = _Signatures(tf_device(dev.device).encode())
@@ -206,7 +207,13 @@ def _graph_and_run_metadata(stats: StepStats) -> tuple[bytes, bytes]:
             if node.category != fmt.CAT_OP:
                 continue
             name_field = (names.get(id(node)) or name_of(node))[1]
-            signature = (node.op, node.phase, _output_key(node) if node.outputs else None, node.thread_id)
+            key = None
+            if node.outputs:  # (a step's nodes share their tensors' descriptions: each key made once)
+                tensors = tuple(map(id, node.outputs))
+                key = output_keys.get(tensors)
+                if key is None:
+                    key = output_keys[tensors] = _output_key(node)
+            signature = (node.op, node.phase, key, node.thread_id)
             kernels = kernels_of(node)
             if kernels:
                 index = kernels[0][0]

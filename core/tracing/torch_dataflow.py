@@ -283,8 +283,8 @@ def step_dataflow(tree: EventTree, nodes_by_id: dict[int, NodeExecStats]) -> lis
     ops: list[OpData] = []
     for op_id, reads, written in tree.ops:
         node = nodes_by_id.get(op_id)
-        if node is None:
-            continue
+        if node is None or not (reads or id(node) in made or id(node) in around):
+            continue  # (an op that reads and makes nothing has no part in the dataflow)
         op = OpData(node, [(allocation_id, tensor) for _, allocation_id, tensor in reads], [])
         if written:
             op.outputs = [(allocation_id, tensor) for position, allocation_id, tensor in reads if position in written]
