@@ -25,13 +25,14 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import threading
 from collections.abc import Hashable
 from typing import Any, NamedTuple
 
 from hookprof._runtime import worker
 from hookprof.step_stats import NodeExecStats, TensorDescription
-from hookprof.tracing.torch_dataflow import ALLOCATING_PLUMBING, Allocation, Block, EventTree, Read
+from hookprof.tracing.torch_dataflow import ALLOCATING_PLUMBING, Allocation, Block, EventTree, Read, held_tensors
 from hookprof.tracing.tracer import HOST_DEVICE
 
 DATAFLOW_MISSING = "dataflow_missing"  # the step's metadata: why it has no arrows and no memory objects
@@ -62,6 +63,18 @@ class IdentityTemplate:
     reads: list[list[tuple[int, Hashable, TensorDescription]]]  # per op: (argument position, key, tensor)
     written: list[frozenset[int]]
     made: dict[int, list[int]]  # op position -> the bytes of each allocation it made, in time order
+
+    @functools.cached_property
+    def held(self) -> dict[Hashable, TensorDescription]:
+        """What each allocation the step made held, by its key (`EventTree.held`): the same in every step that
+        matches, whose allocations have these sizes."""
+        return held_tensors(self.reads, {("made", at, rank): nbytes for at, sizes in self.made.items()
+                                         for rank, nbytes in enumerate(sizes)})
+
+    @functools.cached_property
+    def fixed(self) -> list[bool]:
+        """Per op: whether it reads no data the step made (its reads are the same in every matching step)."""
+        return [all(key[0] != "made" for _, key, _ in reads) for reads in self.reads]
 
 
 def _main_thread(rows: list[Row]) -> list[Row]:
@@ -189,7 +202,10 @@ def apply_template(template: IdentityTemplate, rows: list[Row], instants: list[d
             return None, (f"its allocations {where} ({mine} bytes) differ from those of the step its tensor "
                           f"identities were taken from ({sizes})")
     ops = []
-    for row, reads, written in zip(main, template.reads, template.written):
+    for row, reads, written, fixed in zip(main, template.reads, template.written, template.fixed):
+        if fixed:  # (shared with the template: nothing changes reads)
+            ops.append((row.external_id, reads, written))
+            continue
         mapped: list[Read] = []
         for argument, key, tensor in reads:
             if key[0] == "made":
@@ -197,7 +213,8 @@ def apply_template(template: IdentityTemplate, rows: list[Row], instants: list[d
             else:
                 mapped.append((argument, key, tensor))
         ops.append((row.external_id, mapped, written))
-    return EventTree.from_parts(ops, allocations, blocks), None
+    held = {made[key[1]][key[2]]: tensor for key, tensor in template.held.items()}
+    return EventTree.from_parts(ops, allocations, blocks, held), None
 
 
 class Templates:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import operator
+from collections.abc import Iterable
 from math import prod
 from typing import Any, NamedTuple
 
@@ -149,30 +150,39 @@ class EventTree:
 
     @classmethod
     def from_parts(cls, ops: list[tuple[Any, list[Read], frozenset[int]]], allocations: list[Allocation],
-                   blocks: dict[int, Block]) -> EventTree:
+                   blocks: dict[int, Block], held: dict[int, TensorDescription] | None = None) -> EventTree:
         """A tree made of what its walk would have found, from another source
-        (`hookprof.tracing.step_identity`): ops in start order, allocations in time order, blocks by id."""
+        (`hookprof.tracing.step_identity`): ops in start order, allocations in time order, blocks by id, and
+        what each allocation held (`held`) where that source knows it already."""
         tree = cls.__new__(cls)
         tree.ops, tree.allocations, tree.blocks = ops, allocations, blocks
+        if held is not None:
+            tree.__dict__["held"] = held
         return tree
 
     @functools.cached_property
     def held(self) -> dict[int, TensorDescription]:
-        """What each allocation held: its earliest read through a view covering all of its bytes, else (the
-        CUDA caching allocator rounds block sizes up) its earliest read that fits in it."""
-        blocks = self.blocks
-        exact: dict[int, TensorDescription] = {}
-        fits: dict[int, TensorDescription] = {}
-        for _, reads, _ in self.ops:
-            for _, allocation_id, tensor in reads:
-                block, nbytes = blocks.get(allocation_id), tensor.nbytes
-                if block is None or nbytes is None or allocation_id in exact:
-                    continue
-                if nbytes == block.nbytes:
-                    exact[allocation_id] = tensor
-                elif nbytes < block.nbytes:
-                    fits.setdefault(allocation_id, tensor)
-        return {**fits, **exact}
+        """What each allocation held (`held_tensors`)."""
+        return held_tensors((reads for _, reads, _ in self.ops),
+                            {allocation_id: block.nbytes for allocation_id, block in self.blocks.items()})
+
+
+def held_tensors(reads: Iterable[list[Read]], sizes: dict[Any, int]) -> dict[Any, TensorDescription]:
+    """What each allocation held, of those `sizes` gives the bytes of, by their key in the ops' `reads`: its
+    earliest read through a view covering all of its bytes, else (the CUDA caching allocator rounds block
+    sizes up) its earliest read that fits in it."""
+    exact: dict[Any, TensorDescription] = {}
+    fits: dict[Any, TensorDescription] = {}
+    for op_reads in reads:
+        for _, key, tensor in op_reads:
+            size, nbytes = sizes.get(key), tensor.nbytes
+            if size is None or nbytes is None or key in exact:
+                continue
+            if nbytes == size:
+                exact[key] = tensor
+            elif nbytes < size:
+                fits.setdefault(key, tensor)
+    return {**fits, **exact}
 
 
 class _Reads:
