@@ -56,6 +56,19 @@ class Row(NamedTuple):
 
 
 @dataclasses.dataclass
+class Interned:
+    """A step's argument lists, one object per distinct value: shapes by their JSON, types by their tuple (with
+    their dtype names). A borrowing step's conversion starts from a copy of its template's, so that its
+    signatures hold the template's own lists where they are equal, and compare at once."""
+
+    shapes: dict[bytes, list] = dataclasses.field(default_factory=dict)
+    types: dict[tuple, tuple[list | None, list[str]]] = dataclasses.field(default_factory=dict)
+
+    def copy(self) -> Interned:
+        return Interned(dict(self.shapes), dict(self.types))
+
+
+@dataclasses.dataclass
 class IdentityTemplate:
     """What a tree-walked step says about the identity of its tensors, by op position (see the module doc)."""
 
@@ -63,6 +76,7 @@ class IdentityTemplate:
     reads: list[list[tuple[int, Hashable, TensorDescription]]]  # per op: (argument position, key, tensor)
     written: list[frozenset[int]]
     made: dict[int, list[int]]  # op position -> the bytes of each allocation it made, in time order
+    interned: Interned = dataclasses.field(default_factory=Interned)  # its step's argument lists
 
     @functools.cached_property
     def held(self) -> dict[Hashable, TensorDescription]:
@@ -86,8 +100,9 @@ def _main_thread(rows: list[Row]) -> list[Row]:
     return [row for row in rows if row.tid == tid]
 
 
-def build_template(tree: EventTree, rows: list[Row]) -> IdentityTemplate:
-    """The template of a step whose event tree was walked, with its export's `rows` (see `Row`)."""
+def build_template(tree: EventTree, rows: list[Row], interned: Interned | None = None) -> IdentityTemplate:
+    """The template of a step whose event tree was walked, with its export's `rows` (see `Row`) and the
+    argument lists they share (`Interned`)."""
     rows = _main_thread(rows)
     position = {row.external_id: i for i, row in enumerate(rows)}
     made: dict[int, list[int]] = {}
@@ -106,7 +121,7 @@ def build_template(tree: EventTree, rows: list[Row]) -> IdentityTemplate:
         reads[at] = [(argument, keys.get(allocation_id, ("before", allocation_id)), tensor)
                      for argument, allocation_id, tensor in op_reads]
         written[at] = op_written
-    return IdentityTemplate([row[SIGNATURE] for row in rows], reads, written, made)
+    return IdentityTemplate([row[SIGNATURE] for row in rows], reads, written, made, interned or Interned())
 
 
 def step_allocations(instants: list[dict[str, Any]], rows: list[Row], base: int
@@ -185,10 +200,12 @@ def apply_template(template: IdentityTemplate, rows: list[Row], instants: list[d
     if len(main) != len(template.signatures):
         return None, (f"its {len(main)} ops differ from the {len(template.signatures)} of the step its tensor "
                       "identities were taken from")
-    for i, (row, signature) in enumerate(zip(main, template.signatures)):
-        if row[SIGNATURE] != signature:
-            return None, (f"its op {i} ({_said(row[SIGNATURE])}) differs from the step its tensor identities were "
-                          f"taken from ({_said(signature)})")
+    signatures = [row[SIGNATURE] for row in main]  # (the template's own lists where equal: `Interned`)
+    if signatures != template.signatures:
+        i, signature = next((i, signature) for i, signature in enumerate(signatures)
+                            if signature != template.signatures[i])
+        return None, (f"its op {i} ({_said(signature)}) differs from the step its tensor identities were "
+                      f"taken from ({_said(template.signatures[i])})")
     allocations, blocks = step_allocations(instants, rows, base)
     index = {row.external_id: i for i, row in enumerate(main)}
     made: dict[int, list[int]] = {}  # op position -> this step's allocation ids it made, in time order
