@@ -302,15 +302,23 @@ def _tensor_flows(stats: StepStats, base: int) -> Iterable[dict[str, Any]]:
     on their streams, as TF drew dataflow between GPU ops."""
     if not stats.edges:
         return
-    pids = {id(node): pid for pid, dev in enumerate(stats.dev_stats) for node in dev.node_stats}
+    # (a step on one device: every op's pid is 0)
+    pids = {id(node): pid for pid, dev in enumerate(stats.dev_stats) for node in dev.node_stats} \
+        if len(stats.dev_stats) > 1 else None
     kernels_of = KernelsOf(stats)
+    shapes: dict[int, list[int]] = {}  # id(tensor) -> its shape as a list (the edges hold the tensors)
     for flow_id, edge in enumerate(stats.edges, start=1 << 32):  # above any kernel correlation id
         producer, consumer, tensor = edge.producer, edge.consumer, edge.tensor
-        args = {"dtype": tensor.dtype, "shape": list(tensor.shape), "bytes": tensor.nbytes,
+        shape = shapes.get(id(tensor))
+        if shape is None:
+            shape = shapes[id(tensor)] = list(tensor.shape)
+        args = {"dtype": tensor.dtype, "shape": shape, "bytes": tensor.nbytes,
                 fmt.ARG_PRODUCER: producer.node_name, fmt.ARG_CONSUMER: consumer.node_name}
-        made, read = kernels_of(producer), kernels_of(consumer)
+        made, read = (kernels_of(producer), kernels_of(consumer)) if kernels_of.any else (None, None)
         if made and read:
             (source_pid, source), (target_pid, target) = max(made, key=lambda k: _end(k[1])), read[0]
+        elif pids is None:
+            source_pid, source, target_pid, target = 0, producer, 0, consumer
         else:
             (source_pid, source), (target_pid, target) = (pids[id(producer)], producer), (pids[id(consumer)], consumer)
         end_us = (_end(source) - base) / 1000

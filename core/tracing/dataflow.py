@@ -57,11 +57,12 @@ def _byte_range(key: Hashable) -> tuple[Hashable, int, int] | None:
 def find_edges(ops: Iterable[OpData]) -> list[DataEdge]:
     """Producer -> consumer edges for every datum one op wrote and a later op read (see the module doc)."""
     timeline = []
-    for i, op in enumerate(ops):
+    for i, op in enumerate(ops):  # (the start of an op that reads nothing, the end of one that writes nothing: no-ops)
         node = op.node
-        end = node.start_ns + node.duration_ns
-        timeline.append((node.start_ns, 1, -node.duration_ns, i, op))
-        timeline.append((end, 0 if node.duration_ns > 0 else 2, 0, i, op))
+        if op.inputs:
+            timeline.append((node.start_ns, 1, -node.duration_ns, i, op))
+        if op.outputs:
+            timeline.append((node.start_ns + node.duration_ns, 0 if node.duration_ns > 0 else 2, 0, i, op))
     timeline.sort()  # (the first four items tell any two entries apart: the op itself is never compared)
 
     producer: dict[Hashable, tuple[NodeExecStats, str, bool]] = {}  # key -> (node, tensor name, fresh)

@@ -34,6 +34,7 @@ from hookprof.tracing.torch_private import private, warn_missing
 
 Read = tuple[int, int, TensorDescription]  # (argument position, allocation id, the tensor as read)
 _NOTHING: frozenset[int] = frozenset()
+_NO_VIEWS: dict[int, int] = {}  # every op's `OpData.views` (the profiler records no views; only ever read)
 
 
 class Allocation(NamedTuple):
@@ -295,7 +296,7 @@ def step_dataflow(tree: EventTree, nodes_by_id: dict[int, NodeExecStats]) -> lis
         node = nodes_by_id.get(op_id)
         if node is None or not (reads or id(node) in made or id(node) in around):
             continue  # (an op that reads and makes nothing has no part in the dataflow)
-        op = OpData(node, [(allocation_id, tensor) for _, allocation_id, tensor in reads], [])
+        op = OpData(node, [(allocation_id, tensor) for _, allocation_id, tensor in reads], [], _NO_VIEWS)
         if written:
             op.outputs = [(allocation_id, tensor) for position, allocation_id, tensor in reads if position in written]
             op.mutations = frozenset(range(len(op.outputs)))
