@@ -188,7 +188,7 @@ def _graph_and_run_metadata(stats: StepStats) -> tuple[bytes, bytes]:
         if alloc.producer is not None:
             allocated[id(alloc.producer)] = allocated.get(id(alloc.producer), 0) + alloc.nbytes
 
-    names, continued, sizes = name_of.nodes, CONTINUED, SIZES
+    named, continued, sizes = _NAMED, CONTINUED, SIZES
     # all_start_micros: microseconds since the epoch, whose bits above the lowest 7 a step's ops share mostly
     starts: dict[int, bytes] = {}
     graph: list[bytes] = []
@@ -206,7 +206,7 @@ def _graph_and_run_metadata(stats: StepStats) -> tuple[bytes, bytes]:
         for node in dev.node_stats:
             if node.category != fmt.CAT_OP:
                 continue
-            name_field = (names.get(id(node)) or name_of(node))[1]
+            name_field = (named.get((node.node_name, node.phase)) or name_of(node))[1]
             key = None
             if node.outputs:  # (a step's nodes share their tensors' descriptions: each key made once)
                 tensors = tuple(map(id, node.outputs))

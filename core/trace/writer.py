@@ -249,11 +249,10 @@ def _op_event(node: NodeExecStats, pid: int, base: int, inputs: _InputsMemo) -> 
             key = (id(node.input_dtypes), shapes)
             fragments = inputs.get(key)
             if fragments is None:
-                fragments = inputs[key] = (orjson.Fragment(shapes),
-                                           orjson.Fragment(orjson.dumps(node.input_bytes())))
+                fragments = inputs[key] = (orjson.Fragment(shapes), orjson.Fragment(orjson.dumps(node.input_bytes())),
+                                           orjson.Fragment(orjson.dumps(node.input_dtypes)))
             inputs[(id(node.input_dtypes), id(node.input_shapes))] = fragments
-        args[fmt.ARG_INPUT_SHAPES], args[fmt.ARG_INPUT_BYTES] = fragments
-        args[fmt.ARG_INPUT_DTYPES] = node.input_dtypes
+        args[fmt.ARG_INPUT_SHAPES], args[fmt.ARG_INPUT_BYTES], args[fmt.ARG_INPUT_DTYPES] = fragments
     if node.outputs:
         # a step's tensors are shared descriptions (a few per signature): each serialised once
         args[fmt.ARG_OUTPUTS] = [inputs.get(id(t)) or _tensor_fragment(t, inputs) for t in node.outputs]

@@ -227,6 +227,11 @@ class _Plane:
             found = self._encoded[key] = delimited(_EVENT_STAT, body)
         return found
 
+    def own_stat(self, name: str, value: int) -> bytes:
+        """`stat` of an int that few events share (an op's own id): encoded as `stat` does, not kept."""
+        body = _XSTAT_ID + varint(self.stat_id(name)) + _XSTAT_INT64 + varint(value)
+        return _EVENT_STAT + varint(len(body)) + body
+
     def add_stat(self, name: str, value: Any) -> None:
         """A stat of the plane itself (`XPlane.stats`), encoded as `stat` encodes an event's."""
         self.stats.append(_PLANE_STAT + self.stat(name, value)[len(_EVENT_STAT):])
@@ -365,7 +370,7 @@ def _node_stats(plane: _Plane, node: NodeExecStats, group: bytes, shapes: bytes 
     made once (`unscoped`); stats are interned in the order they are written either way."""
     if node.category == fmt.CAT_OP:
         key = plane.event_id(_op_name(node))
-        head = group + plane.stat(IPL_STAGE_ID, key)
+        head = group + plane.own_stat(IPL_STAGE_ID, key)
     else:
         key = plane.event_id(node.op)
         head = group
