@@ -129,6 +129,7 @@ NO_TEMPLATE = ("the step its tensor identities were to be taken from was not con
 
 _NO_ARGS: dict[str, Any] = {}
 _RAW: Any = object()  # a row's dims or types as the export gives them (not interned)
+_OUTSIDE = (0, "", "", "")  # the stack entry around a thread's outermost events: no scope, phase or optimizer
 _COUNTED = frozenset({"aten::conv2d", "aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::mul",
                       "aten::add"})  # the ops torch's profiler counts flops for
 
@@ -242,7 +243,7 @@ def _convert(events: Any, base: int, stats: StepStats, want_ids: bool = False, w
             host.thread_names.setdefault(tid, f"CPU thread {tid}")
         while stack and stack[-1][0] <= start:
             stack.pop()
-        scope, phase, optimizer = stack[-1][1:] if stack else ("", "", "")
+        _, scope, phase, optimizer = stack[-1] if stack else _OUTSIDE
         category = cat_op
         op = name
         shapes = dtypes = args = None
@@ -301,7 +302,10 @@ def _convert(events: Any, base: int, stats: StepStats, want_ids: bool = False, w
         if phase == "forward" and category == cat_op:
             seq = fields.get("Sequence number", -1)
             if seq >= 0:
-                forward_scopes.setdefault(tid, {}).setdefault(seq, scope)
+                scopes = forward_scopes.get(tid)
+                if scopes is None:
+                    scopes = forward_scopes[tid] = {}
+                scopes.setdefault(seq, scope)
         if phase == "optimizer" and not scope:
             scope = optimizer or "optimizer"
         stack.append((start + dur, scope, phase if phase != "forward" else "", optimizer))

@@ -137,18 +137,27 @@ def step_allocations(instants: list[dict[str, Any]], rows: list[Row], base: int
     live: dict[tuple[str, int], int] = {}  # (device, address) -> allocation id
     cursor = 0
 
+    ends: list[int] = []  # row position -> its end, for the rows reached so far
+
     def enclosing(tid: int, time: int) -> int:
         nonlocal cursor
-        while cursor < len(rows) and rows[cursor].node.start_ns <= time:
+        count = len(rows)
+        while cursor < count:
             row = rows[cursor]
-            stack = open_rows.setdefault(row.tid, [])
-            while stack and _end(rows[stack[-1]].node) <= row.node.start_ns:
+            start = row.node.start_ns
+            if start > time:
+                break
+            stack = open_rows.get(row.tid)
+            if stack is None:
+                stack = open_rows[row.tid] = []
+            while stack and ends[stack[-1]] <= start:
                 stack.pop()
             parent.append(stack[-1] if stack else -1)
+            ends.append(start + row.node.duration_ns)
             stack.append(cursor)
             cursor += 1
-        stack = open_rows.get(tid, [])
-        while stack and _end(rows[stack[-1]].node) < time:
+        stack = open_rows.get(tid)
+        while stack and ends[stack[-1]] < time:
             stack.pop()
         return stack[-1] if stack else -1
 
@@ -186,10 +195,6 @@ def _said(signature: tuple) -> str:
     """An op's signature as the reason for a mismatch says it: `aten::linear, shapes [[4, 8], [16, 8], [16]]`."""
     name, dims, types = signature
     return f"{name}, shapes {[d for d, t in zip(dims or (), types or ()) if t not in NOT_TENSORS]}"
-
-
-def _end(node: NodeExecStats) -> int:
-    return node.start_ns + node.duration_ns
 
 
 def apply_template(template: IdentityTemplate, rows: list[Row], instants: list[dict[str, Any]], base: int
