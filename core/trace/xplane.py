@@ -276,7 +276,17 @@ def _event_head(metadata_id: int) -> bytes:
 
 def _event_of(head: bytes, offset_ps: int, duration_ps: int, stats: bytes) -> bytes:
     """`_event` with the metadata's part made once (`_event_head`)."""
-    body = head + varint(offset_ps) + (_EVENT_DURATION + varint(duration_ps) if duration_ps else b"") + stats
+    return _event_fields(head, offset_ps, _duration(duration_ps), stats)
+
+
+def _duration(duration_ps: int) -> bytes:
+    """An event's `duration_ps` field (left out when 0)."""
+    return _EVENT_DURATION + varint(duration_ps) if duration_ps else b""
+
+
+def _event_fields(head: bytes, offset_ps: int, duration: bytes, stats: bytes) -> bytes:
+    """`_event_of` with the duration's field made once (`_duration`: a step repeats its ops' durations)."""
+    body = head + varint(offset_ps) + duration + stats
     size = len(body)
     return _LINE_EVENT + (SIZES[size] if size < 2048 else varint(size)) + body
 
@@ -313,6 +323,7 @@ def _step_xspace(stats: StepStats, hostname: str) -> bytes:
     described: dict[tuple, tuple[bytes, bytes]] = {}  # what nodes alike have: their metadata and stats
     unscoped: dict[tuple, tuple[bytes, bytes]] = {}  # the same but their scope: the stats around it
     shapes_json: dict[int, bytes] = {}  # id(a node's input shapes) -> them as JSON (the nodes hold them)
+    durations: dict[int, bytes] = {}  # a duration in ns -> its field
     threads: dict[int, list[NodeExecStats]] = {}
     for node in nodes:
         threads.setdefault(node.thread_id, []).append(node)
@@ -339,7 +350,10 @@ def _step_xspace(stats: StepStats, hostname: str) -> bytes:
             if found is None:  # (the nodes, so their lists, live as long as this: ids are not reused)
                 key, node_stats = _node_stats(plane, node, group, shapes, unscoped)
                 found = described[signature] = (_event_head(key), node_stats)
-            events.append(_event_of(found[0], (node.start_ns - base) * 1000, node.duration_ns * 1000, found[1]))
+            duration = durations.get(node.duration_ns)
+            if duration is None:
+                duration = durations[node.duration_ns] = _duration(node.duration_ns * 1000)
+            events.append(_event_fields(found[0], (node.start_ns - base) * 1000, duration, found[1]))
         plane.add_line(tid, thread_names.get(tid, f"thread {tid}"), events)
     _add_memory(plane, stats, base, group)
 
