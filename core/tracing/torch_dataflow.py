@@ -294,14 +294,19 @@ def step_dataflow(tree: EventTree, nodes_by_id: dict[int, NodeExecStats]) -> lis
     ops: list[OpData] = []
     for op_id, reads, written in tree.ops:
         node = nodes_by_id.get(op_id)
-        if node is None or not (reads or id(node) in made or id(node) in around):
+        if node is None:
+            continue
+        key = id(node)
+        node_made = made.get(key)
+        if not (reads or node_made or key in around):
             continue  # (an op that reads and makes nothing has no part in the dataflow)
         op = OpData(node, [(allocation_id, tensor) for _, allocation_id, tensor in reads], [], _NO_VIEWS)
         if written:
             op.outputs = [(allocation_id, tensor) for position, allocation_id, tensor in reads if position in written]
             op.mutations = frozenset(range(len(op.outputs)))
-        op.outputs.extend(made.get(id(node), ()))
-        if op.outputs or id(node) in around:
-            node.outputs = [tensor for _, tensor in op.outputs] + around.get(id(node), [])
+        if node_made:
+            op.outputs.extend(node_made)
+        if op.outputs or key in around:
+            node.outputs = [tensor for _, tensor in op.outputs] + around.get(key, [])
         ops.append(op)
     return ops
