@@ -22,12 +22,13 @@ def varint(value: int) -> bytes:
         return bytes((value & 0x7F | 0x80, value >> 7 & 0x7F | 0x80, value >> 14))
     if value < 0x10000000:
         return bytes((value & 0x7F | 0x80, value >> 7 & 0x7F | 0x80, value >> 14 & 0x7F | 0x80, value >> 21))
+    if value < 0x800000000:
+        return bytes((value & 0x7F | 0x80, value >> 7 & 0x7F | 0x80, value >> 14 & 0x7F | 0x80,
+                      value >> 21 & 0x7F | 0x80, value >> 28))
     if value < 0x40000000000:
-        out = bytearray((value & 0x7F | 0x80, value >> 7 & 0x7F | 0x80, value >> 14 & 0x7F | 0x80,
-                         value >> 21 & 0x7F | 0x80))
-        value >>= 28
-    else:
-        out = bytearray()
+        return bytes((value & 0x7F | 0x80, value >> 7 & 0x7F | 0x80, value >> 14 & 0x7F | 0x80,
+                      value >> 21 & 0x7F | 0x80, value >> 28 & 0x7F | 0x80, value >> 35))
+    out = bytearray()
     while value >= 0x80:
         out.append(value & 0x7F | 0x80)
         value >>= 7

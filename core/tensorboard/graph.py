@@ -125,37 +125,45 @@ def _output_key(node: Any) -> tuple:
 
 class _Names:
     """Graph names of a step's nodes, as UTF-8: `node_graph_name`, made per scope and per leaf name (a step
-    repeats both: `Sequential/3` holds a few dozen ops, `aten::addmm` runs in every layer)."""
+    repeats both: `Sequential/3` holds a few dozen ops, `aten::addmm` runs in every layer), and kept for the
+    next steps (`_NAMED`): a fit's traced steps repeat their node names."""
 
     def __init__(self) -> None:
         self.scopes: dict[str, bytes] = {}  # a scope (or an op's phase) -> its graph name and "/"
         self.leaves: dict[str, bytes] = {}
-        self.nodes: dict[int, bytes] = {}  # id(node) -> its graph name
-        self.fields: dict[int, bytes] = {}  # id(node) -> NodeDef.name and NodeExecStats.node_name (1)
+        self.nodes: dict[int, tuple[bytes, bytes]] = {}  # id(node) -> its graph name, and that as field 1
 
-    def __call__(self, node: Any) -> bytes:
-        name = self.nodes.get(id(node))
-        if name is not None:
-            return name
-        # `graph_name` works on `/`-free pieces alone: the name is its scope's name, `/`, its leaf's name
-        scope, slash, leaf = node.node_name.rpartition("/")
-        if not slash:
-            scope = node.phase
-        leaf_name = self.leaves.get(leaf)
-        if leaf_name is None:
-            leaf_name = self.leaves[leaf] = graph_name(leaf).encode()
-        if slash or scope:
-            prefix = self.scopes.get(scope)
-            if prefix is None:
-                prefix = self.scopes[scope] = graph_name(scope).encode() + b"/"
-            leaf_name = prefix + leaf_name
-        self.nodes[id(node)] = leaf_name
-        return leaf_name
+    def __call__(self, node: Any) -> tuple[bytes, bytes]:
+        """The node's graph name, and that as field 1 (NodeDef.name, NodeExecStats.node_name)."""
+        named = self.nodes.get(id(node))
+        if named is not None:
+            return named
+        key = (node.node_name, node.phase)
+        named = _NAMED.get(key)
+        if named is None:
+            # `graph_name` works on `/`-free pieces alone: the name is its scope's name, `/`, its leaf's name
+            scope, slash, leaf = node.node_name.rpartition("/")
+            if not slash:
+                scope = node.phase
+            leaf_name = self.leaves.get(leaf)
+            if leaf_name is None:
+                leaf_name = self.leaves[leaf] = graph_name(leaf).encode()
+            if slash or scope:
+                prefix = self.scopes.get(scope)
+                if prefix is None:
+                    prefix = self.scopes[scope] = graph_name(scope).encode() + b"/"
+                leaf_name = prefix + leaf_name
+            if len(_NAMED) >= _NAMED_MAX:
+                _NAMED.clear()
+            named = _NAMED[key] = (leaf_name, _str_bytes(b"\x0a", leaf_name))
+        self.nodes[id(node)] = named
+        return named
 
-    def field(self, node: Any) -> bytes:
-        """The node's name as field 1 (NodeDef.name, NodeExecStats.node_name)."""
-        field = self.fields[id(node)] = _str_bytes(b"\x0a", self(node))
-        return field
+
+# (node name, phase) -> graph name and its field, across steps (a pure function of the two); emptied past
+# 65k names (a 57k-op step's fit; a few MB)
+_NAMED: dict[tuple[str, str], tuple[bytes, bytes]] = {}
+_NAMED_MAX = 1 << 16
 
 
 def graph_and_run_metadata(stats: StepStats) -> tuple[bytes, bytes]:
@@ -172,7 +180,7 @@ def _graph_and_run_metadata(stats: StepStats) -> tuple[bytes, bytes]:
     inputs: dict[int, list[bytes]] = {}  # id(consumer) -> its NodeDef.input (3) fields
     for edge in stats.edges:
         slot = edge.name.rsplit(":", 1)[-1]
-        source = name_of(edge.producer)
+        source = name_of(edge.producer)[0]
         inputs.setdefault(id(edge.consumer), []).append(
             delimited(b"\x1a", source if slot == "0" else b"%s:%s" % (source, slot.encode())))
     allocated: dict[int, int] = {}
@@ -180,7 +188,7 @@ def _graph_and_run_metadata(stats: StepStats) -> tuple[bytes, bytes]:
         if alloc.producer is not None:
             allocated[id(alloc.producer)] = allocated.get(id(alloc.producer), 0) + alloc.nbytes
 
-    name_fields, continued, sizes = name_of.fields, CONTINUED, SIZES
+    named, continued, sizes = _NAMED, CONTINUED, SIZES
     # all_start_micros: microseconds since the epoch, whose bits above the lowest 7 a step's ops share mostly
     starts: dict[int, bytes] = {}
     graph: list[bytes] = []
@@ -189,6 +197,7 @@ def _graph_and_run_metadata(stats: StepStats) -> tuple[bytes, bytes]:
     # its NodeDef names that device (and its outputs that allocator), so TensorBoard colours it as a GPU op;
     # its stats stay on the host's line.
     kernels_of = KernelsOf(stats)
+    output_keys: dict[tuple[int, ...], tuple] = {}  # ids of a node's output tensors (their nodes hold them) -> key
     placed: dict[int, _Signatures] = {}  # kernel device index in dev_stats -> its signatures
     for dev in stats.dev_stats:
         own = _Signatures(tf_device(dev.device).encode())
@@ -197,10 +206,14 @@ def _graph_and_run_metadata(stats: StepStats) -> tuple[bytes, bytes]:
         for node in dev.node_stats:
             if node.category != fmt.CAT_OP:
                 continue
-            name_field = name_fields.get(id(node))
-            if name_field is None:
-                name_field = name_of.field(node)
-            signature = (node.op, node.phase, _output_key(node) if node.outputs else None, node.thread_id)
+            name_field = (named.get((node.node_name, node.phase)) or name_of(node))[1]
+            key = None
+            if node.outputs:  # (a step's nodes share their tensors' descriptions: each key made once)
+                tensors = tuple(map(id, node.outputs))
+                key = output_keys.get(tensors)
+                if key is None:
+                    key = output_keys[tensors] = _output_key(node)
+            signature = (node.op, node.phase, key, node.thread_id)
             kernels = kernels_of(node)
             if kernels:
                 index = kernels[0][0]

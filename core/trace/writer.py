@@ -30,7 +30,7 @@ import orjson
 from hookprof._runtime import arguments
 from hookprof._runtime.atomic_file import atomic_write
 from hookprof._runtime.gc_pause import paused_gc
-from hookprof.step_stats import KernelsOf, NodeExecStats, StepStats
+from hookprof.step_stats import KernelsOf, NodeExecStats, StepStats, TensorDescription
 from hookprof.trace import format as fmt
 
 log = logging.getLogger(__name__)
@@ -228,9 +228,10 @@ class ChromeTraceWriter:
             return serialize_trace(raw, self.events(stats, prefix, base), tail, self.compress, self.max_events, head)
 
 
-# One write's serialised argument signatures, by (dtype list identity, shapes JSON): a step repeats few
-# (shapes, dtypes) pairs, so each pair's shapes and byte sizes are serialised once and shared, as orjson
-# fragments, by every op that has it (tracers share one dtype list per signature; the nodes hold it alive).
+# One write's serialised argument signatures, by (dtype list identity, shapes JSON or shapes list identity):
+# a step repeats few (shapes, dtypes) pairs, so each pair's shapes and byte sizes are serialised once and
+# shared, as orjson fragments, by every op that has it (tracers share one dtype list per signature, kineto's
+# one shapes list; the nodes hold them alive); and its output tensors, by identity (their nodes hold them).
 _InputsMemo = dict
 
 
@@ -242,21 +243,30 @@ def _op_event(node: NodeExecStats, pid: int, base: int, inputs: _InputsMemo) -> 
         args[fmt.ARG_PHASE] = node.phase
     if node.input_shapes:
         # one entry per argument position, as recorded (torch's own traces use the same parallel lists)
-        shapes = orjson.dumps(node.input_shapes)
-        key = (id(node.input_dtypes), shapes)
-        fragments = inputs.get(key)
-        if fragments is None:
-            fragments = inputs[key] = (orjson.Fragment(shapes), orjson.Fragment(orjson.dumps(node.input_bytes())))
-        args[fmt.ARG_INPUT_SHAPES], args[fmt.ARG_INPUT_BYTES] = fragments
-        args[fmt.ARG_INPUT_DTYPES] = node.input_dtypes
+        fragments = inputs.get((id(node.input_dtypes), id(node.input_shapes)))
+        if fragments is None:  # (a tracer that shares its shapes lists, as the dtypes, finds them above)
+            shapes = orjson.dumps(node.input_shapes)
+            key = (id(node.input_dtypes), shapes)
+            fragments = inputs.get(key)
+            if fragments is None:
+                fragments = inputs[key] = (orjson.Fragment(shapes), orjson.Fragment(orjson.dumps(node.input_bytes())),
+                                           orjson.Fragment(orjson.dumps(node.input_dtypes)))
+            inputs[(id(node.input_dtypes), id(node.input_shapes))] = fragments
+        args[fmt.ARG_INPUT_SHAPES], args[fmt.ARG_INPUT_BYTES], args[fmt.ARG_INPUT_DTYPES] = fragments
     if node.outputs:
-        args[fmt.ARG_OUTPUTS] = [t.to_json() for t in node.outputs]
+        # a step's tensors are shared descriptions (a few per signature): each serialised once
+        args[fmt.ARG_OUTPUTS] = [inputs.get(id(t)) or _tensor_fragment(t, inputs) for t in node.outputs]
     if node.args:
         args.update(node.args)
     return {
         "ph": "X", "cat": node.category, "name": node.op, "pid": pid, "tid": node.thread_id,
         "ts": (node.start_ns - base) / 1000, "dur": node.duration_ns / 1000, "args": args,
     }
+
+
+def _tensor_fragment(tensor: TensorDescription, inputs: _InputsMemo) -> orjson.Fragment:
+    fragment = inputs[id(tensor)] = orjson.Fragment(orjson.dumps(tensor.to_json()))
+    return fragment
 
 
 def _launch_flows(stats: StepStats, base: int) -> Iterable[dict[str, Any]]:
@@ -291,15 +301,23 @@ def _tensor_flows(stats: StepStats, base: int) -> Iterable[dict[str, Any]]:
     on their streams, as TF drew dataflow between GPU ops."""
     if not stats.edges:
         return
-    pids = {id(node): pid for pid, dev in enumerate(stats.dev_stats) for node in dev.node_stats}
+    # (a step on one device: every op's pid is 0)
+    pids = {id(node): pid for pid, dev in enumerate(stats.dev_stats) for node in dev.node_stats} \
+        if len(stats.dev_stats) > 1 else None
     kernels_of = KernelsOf(stats)
+    shapes: dict[int, list[int]] = {}  # id(tensor) -> its shape as a list (the edges hold the tensors)
     for flow_id, edge in enumerate(stats.edges, start=1 << 32):  # above any kernel correlation id
         producer, consumer, tensor = edge.producer, edge.consumer, edge.tensor
-        args = {"dtype": tensor.dtype, "shape": list(tensor.shape), "bytes": tensor.nbytes,
+        shape = shapes.get(id(tensor))
+        if shape is None:
+            shape = shapes[id(tensor)] = list(tensor.shape)
+        args = {"dtype": tensor.dtype, "shape": shape, "bytes": tensor.nbytes,
                 fmt.ARG_PRODUCER: producer.node_name, fmt.ARG_CONSUMER: consumer.node_name}
-        made, read = kernels_of(producer), kernels_of(consumer)
+        made, read = (kernels_of(producer), kernels_of(consumer)) if kernels_of.any else (None, None)
         if made and read:
             (source_pid, source), (target_pid, target) = max(made, key=lambda k: _end(k[1])), read[0]
+        elif pids is None:
+            source_pid, source, target_pid, target = 0, producer, 0, consumer
         else:
             (source_pid, source), (target_pid, target) = (pids[id(producer)], producer), (pids[id(consumer)], consumer)
         end_us = (_end(source) - base) / 1000

@@ -227,6 +227,11 @@ class _Plane:
             found = self._encoded[key] = delimited(_EVENT_STAT, body)
         return found
 
+    def own_stat(self, name: str, value: int) -> bytes:
+        """`stat` of an int that few events share (an op's own id): encoded as `stat` does, not kept."""
+        body = _XSTAT_ID + varint(self.stat_id(name)) + _XSTAT_INT64 + varint(value)
+        return _EVENT_STAT + varint(len(body)) + body
+
     def add_stat(self, name: str, value: Any) -> None:
         """A stat of the plane itself (`XPlane.stats`), encoded as `stat` encodes an event's."""
         self.stats.append(_PLANE_STAT + self.stat(name, value)[len(_EVENT_STAT):])
@@ -241,11 +246,13 @@ class _Plane:
         metadata = []
         for field, ids in ((_PLANE_EVENT_METADATA, self._events), (_PLANE_STAT_METADATA, self._stats)):
             shown = self.display_names if ids is self._events else {}
-            for name, key in ids.items():
-                body = int_field(_ID, key) + delimited(_NAME, name.encode())
+            for name, key in ids.items():  # (a step has thousands: `delimited` and `int_field` inlined; ids > 0)
+                encoded_key, encoded_name = varint(key), name.encode()
+                body = _ID + encoded_key + _NAME + varint(len(encoded_name)) + encoded_name
                 if key in shown:
                     body += delimited(_DISPLAY_NAME, shown[key].encode())
-                metadata.append(delimited(field, int_field(_KEY, key) + delimited(_VALUE, body)))
+                entry = _KEY + encoded_key + _VALUE + varint(len(body)) + body
+                metadata.append(field + varint(len(entry)) + entry)
         return self.head + b"".join(self.lines) + b"".join(metadata) + b"".join(self.stats)
 
 
@@ -259,8 +266,27 @@ def _interned(ids: dict[str, int], name: str) -> int:
 
 def _event(metadata_id: int, offset_ps: int, duration_ps: int, stats: bytes) -> bytes:
     """An `XEvent` as an `XLine.events` field (`offset_ps`, of the `data` oneof, written even when 0)."""
-    body = (_EVENT_ID + varint(metadata_id) + _EVENT_OFFSET + varint(offset_ps)
-            + (_EVENT_DURATION + varint(duration_ps) if duration_ps else b"") + stats)
+    return _event_of(_event_head(metadata_id), offset_ps, duration_ps, stats)
+
+
+def _event_head(metadata_id: int) -> bytes:
+    """An event's fields up to its offset's value: its metadata id and the offset's tag."""
+    return _EVENT_ID + varint(metadata_id) + _EVENT_OFFSET
+
+
+def _event_of(head: bytes, offset_ps: int, duration_ps: int, stats: bytes) -> bytes:
+    """`_event` with the metadata's part made once (`_event_head`)."""
+    return _event_fields(head, offset_ps, _duration(duration_ps), stats)
+
+
+def _duration(duration_ps: int) -> bytes:
+    """An event's `duration_ps` field (left out when 0)."""
+    return _EVENT_DURATION + varint(duration_ps) if duration_ps else b""
+
+
+def _event_fields(head: bytes, offset_ps: int, duration: bytes, stats: bytes) -> bytes:
+    """`_event_of` with the duration's field made once (`_duration`: a step repeats its ops' durations)."""
+    body = head + varint(offset_ps) + duration + stats
     size = len(body)
     return _LINE_EVENT + (SIZES[size] if size < 2048 else varint(size)) + body
 
@@ -294,7 +320,10 @@ def _step_xspace(stats: StepStats, hostname: str) -> bytes:
 
     plane = _Plane(1, HOST_PLANE)
     group = plane.stat(GROUP_ID, step)
-    described: dict[tuple, tuple[int, bytes]] = {}  # what nodes alike have: their metadata and stats
+    described: dict[tuple, tuple[bytes, bytes]] = {}  # what nodes alike have: their metadata and stats
+    unscoped: dict[tuple, tuple[bytes, bytes]] = {}  # the same but their scope: the stats around it
+    shapes_json: dict[int, bytes] = {}  # id(a node's input shapes) -> them as JSON (the nodes hold them)
+    durations: dict[int, bytes] = {}  # a duration in ns -> its field
     threads: dict[int, list[NodeExecStats]] = {}
     for node in nodes:
         threads.setdefault(node.thread_id, []).append(node)
@@ -311,12 +340,20 @@ def _step_xspace(stats: StepStats, hostname: str) -> bytes:
             if node.category == fmt.CAT_SPAN and node.op == fmt.TRAIN_STEP:
                 continue  # the marker above holds it
             # nodes alike share their metadata and stats (the dtypes list is one per signature: see kineto_trace)
-            shapes = orjson.dumps(node.input_shapes) if node.input_shapes else None
+            shapes = None
+            if node.input_shapes:  # (kineto's steps share one list per signature: serialised once)
+                shapes = shapes_json.get(id(node.input_shapes))
+                if shapes is None:
+                    shapes = shapes_json[id(node.input_shapes)] = orjson.dumps(node.input_shapes)
             signature = (node.category, node.op, node.scope, node.phase, shapes, id(node.input_dtypes))
             found = described.get(signature)
             if found is None:  # (the nodes, so their lists, live as long as this: ids are not reused)
-                found = described[signature] = _node_stats(plane, node, group, shapes)
-            events.append(_event(found[0], (node.start_ns - base) * 1000, node.duration_ns * 1000, found[1]))
+                key, node_stats = _node_stats(plane, node, group, shapes, unscoped)
+                found = described[signature] = (_event_head(key), node_stats)
+            duration = durations.get(node.duration_ns)
+            if duration is None:
+                duration = durations[node.duration_ns] = _duration(node.duration_ns * 1000)
+            events.append(_event_fields(found[0], (node.start_ns - base) * 1000, duration, found[1]))
         plane.add_line(tid, thread_names.get(tid, f"thread {tid}"), events)
     _add_memory(plane, stats, base, group)
 
@@ -339,27 +376,38 @@ def _step_thread(thread_names: dict[int, str]) -> int | None:
     return next((tid for tid, name in thread_names.items() if name == fmt.STEP_PHASES_THREAD), None)
 
 
-def _node_stats(plane: _Plane, node: NodeExecStats, group: bytes, shapes: bytes | None) -> tuple[int, bytes]:
+def _node_stats(plane: _Plane, node: NodeExecStats, group: bytes, shapes: bytes | None,
+                unscoped: dict[tuple, tuple[bytes, bytes]]) -> tuple[int, bytes]:
     """A node's event metadata (ops: by scope and op) and its event's stats: its step, what makes xprof count
     an op (read from the event itself, not its metadata), and what the timeline's args say of it (the trace
-    viewer shows them)."""
-    stats = [group]
+    viewer shows them). The stats before and after its scope are those of every node alike but for the scope,
+    made once (`unscoped`); stats are interned in the order they are written either way."""
     if node.category == fmt.CAT_OP:
         key = plane.event_id(_op_name(node))
-        stats += [plane.stat(IPL_STAGE_ID, key), plane.stat(IPL_STAGE_CAT, node.op), plane.stat(IS_EAGER, 1)]
+        head = group + plane.own_stat(IPL_STAGE_ID, key)
     else:
         key = plane.event_id(node.op)
-    if node.category == fmt.CAT_SPAN and node.op == fmt.DATA_WAIT:
-        stats.append(plane.stat(IPL_STAGE_NAME, fmt.DATA_WAIT))
-    if node.phase:
-        stats.append(plane.stat(fmt.ARG_PHASE, node.phase))
-    if node.scope:
-        stats.append(plane.stat(fmt.ARG_SCOPE, node.scope))
-    if shapes is not None:
-        stats.append(plane.stat(fmt.ARG_INPUT_SHAPES, shapes.decode()))
-        if node.input_dtypes:
-            stats.append(plane.stat(fmt.ARG_INPUT_DTYPES, orjson.dumps(node.input_dtypes).decode()))
-    return key, b"".join(stats)
+        head = group
+    signature = (node.category, node.op, node.phase, shapes, id(node.input_dtypes))
+    around = unscoped.get(signature)
+    if around is None:
+        before = []
+        if node.category == fmt.CAT_OP:
+            before += [plane.stat(IPL_STAGE_CAT, node.op), plane.stat(IS_EAGER, 1)]
+        if node.category == fmt.CAT_SPAN and node.op == fmt.DATA_WAIT:
+            before.append(plane.stat(IPL_STAGE_NAME, fmt.DATA_WAIT))
+        if node.phase:
+            before.append(plane.stat(fmt.ARG_PHASE, node.phase))
+        scope = plane.stat(fmt.ARG_SCOPE, node.scope) if node.scope else b""
+        after = []
+        if shapes is not None:
+            after.append(plane.stat(fmt.ARG_INPUT_SHAPES, shapes.decode()))
+            if node.input_dtypes:
+                after.append(plane.stat(fmt.ARG_INPUT_DTYPES, orjson.dumps(node.input_dtypes).decode()))
+        around = unscoped[signature] = (b"".join(before), b"".join(after))
+    else:
+        scope = plane.stat(fmt.ARG_SCOPE, node.scope) if node.scope else b""
+    return key, head + around[0] + scope + around[1]
 
 
 def _op_name(op: NodeExecStats) -> str:

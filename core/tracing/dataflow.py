@@ -57,12 +57,13 @@ def _byte_range(key: Hashable) -> tuple[Hashable, int, int] | None:
 def find_edges(ops: Iterable[OpData]) -> list[DataEdge]:
     """Producer -> consumer edges for every datum one op wrote and a later op read (see the module doc)."""
     timeline = []
-    for i, op in enumerate(ops):
+    for i, op in enumerate(ops):  # (the start of an op that reads nothing, the end of one that writes nothing: no-ops)
         node = op.node
-        end = node.start_ns + node.duration_ns
-        timeline.append((node.start_ns, 1, -node.duration_ns, i, op))
-        timeline.append((end, 0 if node.duration_ns > 0 else 2, 0, i, op))
-    timeline.sort(key=lambda t: t[:4])
+        if op.inputs:
+            timeline.append((node.start_ns, 1, -node.duration_ns, i, op))
+        if op.outputs:
+            timeline.append((node.start_ns + node.duration_ns, 0 if node.duration_ns > 0 else 2, 0, i, op))
+    timeline.sort()  # (the first four items tell any two entries apart: the op itself is never compared)
 
     producer: dict[Hashable, tuple[NodeExecStats, str, bool]] = {}  # key -> (node, tensor name, fresh)
     by_storage: dict[Hashable, set[Hashable]] = {}  # storage -> keys of it that have a producer
@@ -71,14 +72,20 @@ def find_edges(ops: Iterable[OpData]) -> list[DataEdge]:
     for _, kind, _, _, op in timeline:
         node = op.node
         if kind == 1:  # start: read the inputs
+            start, end, thread = node.start_ns, node.start_ns + node.duration_ns, node.thread_id
             for key, tensor in op.inputs:
                 made = producer.get(key)
                 if made is None:
                     continue
                 source, name, _ = made
-                if source is node or _contains(node, source) or _contains(source, node):
+                if source is node:
                     continue
-                if source.start_ns + source.duration_ns > node.start_ns:
+                source_start = source.start_ns
+                source_end = source_start + source.duration_ns
+                if source.thread_id == thread and (start <= source_start and source_end <= end
+                                                   or source_start <= start and end <= source_end):
+                    continue  # one encloses the other (`_contains`, inlined: this runs for every read)
+                if source_end > start:
                     continue  # still running elsewhere: no causal edge
                 seen = (key, id(source))
                 previous = last_consumer.get(seen)

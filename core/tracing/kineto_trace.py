@@ -23,6 +23,8 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+import orjson
+
 from hookprof._runtime.gc_pause import paused_gc
 from hookprof.run_options import RunOptions
 from hookprof.step_stats import NodeExecStats, StepStats
@@ -32,6 +34,7 @@ from hookprof.tracing.step_identity import (
     DATAFLOW_MISSING,
     NOT_TENSORS,
     TEMPLATES,
+    Interned,
     Row,
     apply_template,
     build_template,
@@ -81,8 +84,6 @@ class KinetoExport:
         return {**self.__dict__, "on_mismatch": None}
 
     def to_stats(self) -> StepStats:
-        import orjson
-
         stats = StepStats(metadata={"torch_version": self.torch_version, "trace_start_ns": self.trace_start_ns})
         with open(self.path, "rb") as f:
             raw = f.read()
@@ -90,18 +91,20 @@ class KinetoExport:
         mode, token = self.identity or (None, "")
         rows: list[Row] | None = [] if mode is not None else None
         instants: list[dict[str, Any]] | None = [] if mode == BORROW else None
+        template = TEMPLATES.recall(token) if mode == BORROW else None
+        # a borrowing step's argument lists are its template's own objects where equal: signatures compare at once
+        interned = template.interned.copy() if template is not None else Interned()
         with paused_gc():
             data = orjson.loads(raw)
             base = data.get("baseTimeNanoseconds", 0)
             if data.get("deviceProperties"):  # each GPU's model and capabilities
                 stats.metadata[fmt.DEVICE_PROPERTIES] = data["deviceProperties"]
             by_external_id = _convert(data.get("traceEvents", ()), base, stats, options.records_tensors,
-                                      options.with_stack, rows, instants)
+                                      options.with_stack, rows, instants, interned)
             tree = self.tree
             if mode == RECORD and tree is not None:
-                TEMPLATES.remember(token, build_template(tree, rows))
+                TEMPLATES.remember(token, build_template(tree, rows, interned))
             elif mode == BORROW:
-                template = TEMPLATES.recall(token)
                 if template is None:
                     reason = NO_TEMPLATE
                 else:
@@ -125,6 +128,8 @@ NO_TEMPLATE = ("the step its tensor identities were to be taken from was not con
 
 
 _NO_ARGS: dict[str, Any] = {}
+_RAW: Any = object()  # a row's dims or types as the export gives them (not interned)
+_OUTSIDE = (0, "", "", "")  # the stack entry around a thread's outermost events: no scope, phase or optimizer
 _COUNTED = frozenset({"aten::conv2d", "aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::mul",
                       "aten::add"})  # the ops torch's profiler counts flops for
 
@@ -178,14 +183,15 @@ def flops(name: str, dims: Any, types: Any, concrete: Any) -> int:
 
 
 def _convert(events: Any, base: int, stats: StepStats, want_ids: bool = False, with_stack: bool = False,
-             rows_out: list[Row] | None = None, instants_out: list[dict[str, Any]] | None = None
-             ) -> dict[int, NodeExecStats]:
+             rows_out: list[Row] | None = None, instants_out: list[dict[str, Any]] | None = None,
+             interned: Interned | None = None) -> dict[int, NodeExecStats]:
     """Turn kineto's exported events (times in microseconds after `base` ns) into NodeExecStats: scopes from
     module spans, phases from autograd and optimizer. With `with_stack`, each op gets its Python call
     stack (`args["stack"]`, outermost frame first) from the Python-function spans enclosing it on its
     thread. With `want_ids`, returns the op nodes by their profiler id (the event tree's link to them: its
     ops' `correlation_id`, the export's `External id`). `rows_out`, when given, gets each op and user span as a
     `Row` in start order; `instants_out` the export's `[memory]` instants (`hookprof.tracing.step_identity`).
+    Ops share their argument lists (shapes, types, dtypes) where equal, from `interned` and added to it.
     """
     by_external_id: dict[int, NodeExecStats] = {}
     host = stats.device(HOST_DEVICE)
@@ -218,8 +224,10 @@ def _convert(events: Any, base: int, stats: StepStats, want_ids: bool = False, w
     name_counts: dict[str, int] = {}
     nodes = host.node_stats
     dtype_names = _TORCH_DTYPES
-    dtype_cache: dict[tuple, list[str]] = {}
+    interned = interned if interned is not None else Interned()
+    types_cache, shapes_cache = interned.types, interned.shapes
     frames: dict[int, list[tuple[int, str]]] = {}  # thread -> open Python frames (end_ns, "file(line): func")
+    cat_op, cat_module, new_row = fmt.CAT_OP, fmt.CAT_MODULE, tuple.__new__  # (a row's `Row`, without its __new__)
     for start, neg_dur, tid, _, activity, name, fields in rows:
         dur = -neg_dur
         if activity == "python_function":
@@ -235,10 +243,11 @@ def _convert(events: Any, base: int, stats: StepStats, want_ids: bool = False, w
             host.thread_names.setdefault(tid, f"CPU thread {tid}")
         while stack and stack[-1][0] <= start:
             stack.pop()
-        scope, phase, optimizer = stack[-1][1:] if stack else ("", "", "")
-        category = fmt.CAT_OP
+        _, scope, phase, optimizer = stack[-1] if stack else _OUTSIDE
+        category = cat_op
         op = name
         shapes = dtypes = args = None
+        dims = types = _RAW
         if activity == "cpu_op":
             if name.startswith(BACKWARD_PREFIX):
                 phase = "backward"
@@ -250,10 +259,17 @@ def _convert(events: Any, base: int, stats: StepStats, want_ids: bool = False, w
             else:
                 shapes = fields.get("Input Dims", [])
                 if shapes:
-                    raw = tuple(fields.get("Input type") or ())
-                    dtypes = dtype_cache.get(raw)
-                    if dtypes is None:  # a step has few distinct signatures: map each once, share the list
-                        dtypes = dtype_cache[raw] = [dtype_names.get(d, d) for d in raw]
+                    # a step has few distinct signatures: one list each, shared (the timeline and the XSpace
+                    # serialise each once, by its identity), the dtypes mapped once
+                    shapes = dims = shapes_cache.setdefault(orjson.dumps(shapes), shapes)
+                    types = fields.get("Input type")
+                    raw = tuple(types) if types else ()
+                    found = types_cache.get(raw)
+                    if found is None:
+                        found = types_cache[raw] = (types, [dtype_names.get(d, d) for d in raw])
+                    if types:
+                        types = found[0]
+                    dtypes = found[1]
                 if name in _COUNTED:
                     count = flops(name, shapes or (), fields.get("Input type") or (),
                                   fields.get("Concrete Inputs") or ())
@@ -270,7 +286,7 @@ def _convert(events: Any, base: int, stats: StepStats, want_ids: bool = False, w
             if name.startswith(MODULE_PREFIX):
                 op = name[len(MODULE_PREFIX):]
                 scope = f"{scope}/{op}" if scope else op
-                category = fmt.CAT_MODULE
+                category = cat_module
             elif name.startswith(OPTIMIZER_PREFIXES):
                 # Lightning runs the whole closure (forward, backward) inside Optimizer.step, so the step
                 # span only names the optimizer; the ops after backward inside it are the update.
@@ -283,15 +299,18 @@ def _convert(events: Any, base: int, stats: StepStats, want_ids: bool = False, w
             args = {"correlation": fields.get("correlation", 0)}
         if not phase:
             phase = "optimizer" if backward_end and start >= backward_end else "forward"
-        if phase == "forward" and category == fmt.CAT_OP:
+        if phase == "forward" and category == cat_op:
             seq = fields.get("Sequence number", -1)
             if seq >= 0:
-                forward_scopes.setdefault(tid, {}).setdefault(seq, scope)
+                scopes = forward_scopes.get(tid)
+                if scopes is None:
+                    scopes = forward_scopes[tid] = {}
+                scopes.setdefault(seq, scope)
         if phase == "optimizer" and not scope:
             scope = optimizer or "optimizer"
         stack.append((start + dur, scope, phase if phase != "forward" else "", optimizer))
 
-        base = scope if category == fmt.CAT_MODULE else (f"{scope}/{op}" if scope else op)
+        base = scope if category == cat_module else (f"{scope}/{op}" if scope else op)
         count = name_counts.get(base, 0)
         name_counts[base] = count + 1
         node = NodeExecStats(
@@ -299,14 +318,17 @@ def _convert(events: Any, base: int, stats: StepStats, want_ids: bool = False, w
             None, category, args,
         )
         nodes.append(node)
-        if rows_out is not None and activity in _IDENTITY_ACTIVITIES:
-            rows_out.append(Row(node, fields.get("External id", 0), tid, name, fields.get("Input Dims"),
-                                fields.get("Input type")))
-        if activity == "cpu_op":
-            if want_ids:
-                by_external_id[fields.get("External id", 0)] = node
-            if launchers is not None:
-                launchers[fields.get("External id", 0)] = node
+        if activity in _IDENTITY_ACTIVITIES:
+            external_id = fields.get("External id", 0)
+            if rows_out is not None:
+                rows_out.append(new_row(Row, (node, external_id, tid, name,
+                                              fields.get("Input Dims") if dims is _RAW else dims,
+                                              fields.get("Input type") if types is _RAW else types)))
+            if activity == "cpu_op":
+                if want_ids:
+                    by_external_id[external_id] = node
+                if launchers is not None:
+                    launchers[external_id] = node
     if launchers:
         # kineto gives each kernel the External id of the innermost op whose launch queued it
         for external_id, kernel in kernels:

@@ -25,13 +25,14 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import threading
 from collections.abc import Hashable
 from typing import Any, NamedTuple
 
 from hookprof._runtime import worker
 from hookprof.step_stats import NodeExecStats, TensorDescription
-from hookprof.tracing.torch_dataflow import ALLOCATING_PLUMBING, Allocation, Block, EventTree, Read
+from hookprof.tracing.torch_dataflow import ALLOCATING_PLUMBING, Allocation, Block, EventTree, Read, held_tensors
 from hookprof.tracing.tracer import HOST_DEVICE
 
 DATAFLOW_MISSING = "dataflow_missing"  # the step's metadata: why it has no arrows and no memory objects
@@ -55,6 +56,19 @@ class Row(NamedTuple):
 
 
 @dataclasses.dataclass
+class Interned:
+    """A step's argument lists, one object per distinct value: shapes by their JSON, types by their tuple (with
+    their dtype names). A borrowing step's conversion starts from a copy of its template's, so that its
+    signatures hold the template's own lists where they are equal, and compare at once."""
+
+    shapes: dict[bytes, list] = dataclasses.field(default_factory=dict)
+    types: dict[tuple, tuple[list | None, list[str]]] = dataclasses.field(default_factory=dict)
+
+    def copy(self) -> Interned:
+        return Interned(dict(self.shapes), dict(self.types))
+
+
+@dataclasses.dataclass
 class IdentityTemplate:
     """What a tree-walked step says about the identity of its tensors, by op position (see the module doc)."""
 
@@ -62,6 +76,19 @@ class IdentityTemplate:
     reads: list[list[tuple[int, Hashable, TensorDescription]]]  # per op: (argument position, key, tensor)
     written: list[frozenset[int]]
     made: dict[int, list[int]]  # op position -> the bytes of each allocation it made, in time order
+    interned: Interned = dataclasses.field(default_factory=Interned)  # its step's argument lists
+
+    @functools.cached_property
+    def held(self) -> dict[Hashable, TensorDescription]:
+        """What each allocation the step made held, by its key (`EventTree.held`): the same in every step that
+        matches, whose allocations have these sizes."""
+        return held_tensors(self.reads, {("made", at, rank): nbytes for at, sizes in self.made.items()
+                                         for rank, nbytes in enumerate(sizes)})
+
+    @functools.cached_property
+    def fixed(self) -> list[bool]:
+        """Per op: whether it reads no data the step made (its reads are the same in every matching step)."""
+        return [all(key[0] != "made" for _, key, _ in reads) for reads in self.reads]
 
 
 def _main_thread(rows: list[Row]) -> list[Row]:
@@ -73,8 +100,9 @@ def _main_thread(rows: list[Row]) -> list[Row]:
     return [row for row in rows if row.tid == tid]
 
 
-def build_template(tree: EventTree, rows: list[Row]) -> IdentityTemplate:
-    """The template of a step whose event tree was walked, with its export's `rows` (see `Row`)."""
+def build_template(tree: EventTree, rows: list[Row], interned: Interned | None = None) -> IdentityTemplate:
+    """The template of a step whose event tree was walked, with its export's `rows` (see `Row`) and the
+    argument lists they share (`Interned`)."""
     rows = _main_thread(rows)
     position = {row.external_id: i for i, row in enumerate(rows)}
     made: dict[int, list[int]] = {}
@@ -93,7 +121,7 @@ def build_template(tree: EventTree, rows: list[Row]) -> IdentityTemplate:
         reads[at] = [(argument, keys.get(allocation_id, ("before", allocation_id)), tensor)
                      for argument, allocation_id, tensor in op_reads]
         written[at] = op_written
-    return IdentityTemplate([row[SIGNATURE] for row in rows], reads, written, made)
+    return IdentityTemplate([row[SIGNATURE] for row in rows], reads, written, made, interned or Interned())
 
 
 def step_allocations(instants: list[dict[str, Any]], rows: list[Row], base: int
@@ -109,18 +137,27 @@ def step_allocations(instants: list[dict[str, Any]], rows: list[Row], base: int
     live: dict[tuple[str, int], int] = {}  # (device, address) -> allocation id
     cursor = 0
 
+    ends: list[int] = []  # row position -> its end, for the rows reached so far
+
     def enclosing(tid: int, time: int) -> int:
         nonlocal cursor
-        while cursor < len(rows) and rows[cursor].node.start_ns <= time:
+        count = len(rows)
+        while cursor < count:
             row = rows[cursor]
-            stack = open_rows.setdefault(row.tid, [])
-            while stack and _end(rows[stack[-1]].node) <= row.node.start_ns:
+            start = row.node.start_ns
+            if start > time:
+                break
+            stack = open_rows.get(row.tid)
+            if stack is None:
+                stack = open_rows[row.tid] = []
+            while stack and ends[stack[-1]] <= start:
                 stack.pop()
             parent.append(stack[-1] if stack else -1)
+            ends.append(start + row.node.duration_ns)
             stack.append(cursor)
             cursor += 1
-        stack = open_rows.get(tid, [])
-        while stack and _end(rows[stack[-1]].node) < time:
+        stack = open_rows.get(tid)
+        while stack and ends[stack[-1]] < time:
             stack.pop()
         return stack[-1] if stack else -1
 
@@ -160,10 +197,6 @@ def _said(signature: tuple) -> str:
     return f"{name}, shapes {[d for d, t in zip(dims or (), types or ()) if t not in NOT_TENSORS]}"
 
 
-def _end(node: NodeExecStats) -> int:
-    return node.start_ns + node.duration_ns
-
-
 def apply_template(template: IdentityTemplate, rows: list[Row], instants: list[dict[str, Any]], base: int
                    ) -> tuple[EventTree | None, str | None]:
     """The step's identity as an `EventTree` (what dataflow and memory read) from `template` and the step's own
@@ -172,10 +205,12 @@ def apply_template(template: IdentityTemplate, rows: list[Row], instants: list[d
     if len(main) != len(template.signatures):
         return None, (f"its {len(main)} ops differ from the {len(template.signatures)} of the step its tensor "
                       "identities were taken from")
-    for i, (row, signature) in enumerate(zip(main, template.signatures)):
-        if row[SIGNATURE] != signature:
-            return None, (f"its op {i} ({_said(row[SIGNATURE])}) differs from the step its tensor identities were "
-                          f"taken from ({_said(signature)})")
+    signatures = [row[SIGNATURE] for row in main]  # (the template's own lists where equal: `Interned`)
+    if signatures != template.signatures:
+        i, signature = next((i, signature) for i, signature in enumerate(signatures)
+                            if signature != template.signatures[i])
+        return None, (f"its op {i} ({_said(signature)}) differs from the step its tensor identities were "
+                      f"taken from ({_said(template.signatures[i])})")
     allocations, blocks = step_allocations(instants, rows, base)
     index = {row.external_id: i for i, row in enumerate(main)}
     made: dict[int, list[int]] = {}  # op position -> this step's allocation ids it made, in time order
@@ -189,7 +224,10 @@ def apply_template(template: IdentityTemplate, rows: list[Row], instants: list[d
             return None, (f"its allocations {where} ({mine} bytes) differ from those of the step its tensor "
                           f"identities were taken from ({sizes})")
     ops = []
-    for row, reads, written in zip(main, template.reads, template.written):
+    for row, reads, written, fixed in zip(main, template.reads, template.written, template.fixed):
+        if fixed:  # (shared with the template: nothing changes reads)
+            ops.append((row.external_id, reads, written))
+            continue
         mapped: list[Read] = []
         for argument, key, tensor in reads:
             if key[0] == "made":
@@ -197,7 +235,8 @@ def apply_template(template: IdentityTemplate, rows: list[Row], instants: list[d
             else:
                 mapped.append((argument, key, tensor))
         ops.append((row.external_id, mapped, written))
-    return EventTree.from_parts(ops, allocations, blocks), None
+    held = {made[key[1]][key[2]]: tensor for key, tensor in template.held.items()}
+    return EventTree.from_parts(ops, allocations, blocks, held), None
 
 
 class Templates:

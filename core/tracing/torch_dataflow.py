@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import operator
+from collections.abc import Iterable
 from math import prod
 from typing import Any, NamedTuple
 
@@ -33,6 +34,7 @@ from hookprof.tracing.torch_private import private, warn_missing
 
 Read = tuple[int, int, TensorDescription]  # (argument position, allocation id, the tensor as read)
 _NOTHING: frozenset[int] = frozenset()
+_NO_VIEWS: dict[int, int] = {}  # every op's `OpData.views` (the profiler records no views; only ever read)
 
 
 class Allocation(NamedTuple):
@@ -149,30 +151,39 @@ class EventTree:
 
     @classmethod
     def from_parts(cls, ops: list[tuple[Any, list[Read], frozenset[int]]], allocations: list[Allocation],
-                   blocks: dict[int, Block]) -> EventTree:
+                   blocks: dict[int, Block], held: dict[int, TensorDescription] | None = None) -> EventTree:
         """A tree made of what its walk would have found, from another source
-        (`hookprof.tracing.step_identity`): ops in start order, allocations in time order, blocks by id."""
+        (`hookprof.tracing.step_identity`): ops in start order, allocations in time order, blocks by id, and
+        what each allocation held (`held`) where that source knows it already."""
         tree = cls.__new__(cls)
         tree.ops, tree.allocations, tree.blocks = ops, allocations, blocks
+        if held is not None:
+            tree.__dict__["held"] = held
         return tree
 
     @functools.cached_property
     def held(self) -> dict[int, TensorDescription]:
-        """What each allocation held: its earliest read through a view covering all of its bytes, else (the
-        CUDA caching allocator rounds block sizes up) its earliest read that fits in it."""
-        blocks = self.blocks
-        exact: dict[int, TensorDescription] = {}
-        fits: dict[int, TensorDescription] = {}
-        for _, reads, _ in self.ops:
-            for _, allocation_id, tensor in reads:
-                block, nbytes = blocks.get(allocation_id), tensor.nbytes
-                if block is None or nbytes is None or allocation_id in exact:
-                    continue
-                if nbytes == block.nbytes:
-                    exact[allocation_id] = tensor
-                elif nbytes < block.nbytes:
-                    fits.setdefault(allocation_id, tensor)
-        return {**fits, **exact}
+        """What each allocation held (`held_tensors`)."""
+        return held_tensors((reads for _, reads, _ in self.ops),
+                            {allocation_id: block.nbytes for allocation_id, block in self.blocks.items()})
+
+
+def held_tensors(reads: Iterable[list[Read]], sizes: dict[Any, int]) -> dict[Any, TensorDescription]:
+    """What each allocation held, of those `sizes` gives the bytes of, by their key in the ops' `reads`: its
+    earliest read through a view covering all of its bytes, else (the CUDA caching allocator rounds block
+    sizes up) its earliest read that fits in it."""
+    exact: dict[Any, TensorDescription] = {}
+    fits: dict[Any, TensorDescription] = {}
+    for op_reads in reads:
+        for _, key, tensor in op_reads:
+            size, nbytes = sizes.get(key), tensor.nbytes
+            if size is None or nbytes is None or key in exact:
+                continue
+            if nbytes == size:
+                exact[key] = tensor
+            elif nbytes < size:
+                fits.setdefault(key, tensor)
+    return {**fits, **exact}
 
 
 class _Reads:
@@ -285,12 +296,17 @@ def step_dataflow(tree: EventTree, nodes_by_id: dict[int, NodeExecStats]) -> lis
         node = nodes_by_id.get(op_id)
         if node is None:
             continue
-        op = OpData(node, [(allocation_id, tensor) for _, allocation_id, tensor in reads], [])
+        key = id(node)
+        node_made = made.get(key)
+        if not (reads or node_made or key in around):
+            continue  # (an op that reads and makes nothing has no part in the dataflow)
+        op = OpData(node, [(allocation_id, tensor) for _, allocation_id, tensor in reads], [], _NO_VIEWS)
         if written:
             op.outputs = [(allocation_id, tensor) for position, allocation_id, tensor in reads if position in written]
             op.mutations = frozenset(range(len(op.outputs)))
-        op.outputs.extend(made.get(id(node), ()))
-        if op.outputs or id(node) in around:
-            node.outputs = [tensor for _, tensor in op.outputs] + around.get(id(node), [])
+        if node_made:
+            op.outputs.extend(node_made)
+        if op.outputs or key in around:
+            node.outputs = [tensor for _, tensor in op.outputs] + around.get(key, [])
         ops.append(op)
     return ops
