@@ -24,7 +24,7 @@ end plus the background job: conversion, timeline, TensorBoard events) spent bui
 metadata (`hookprof.tensorboard.graph.run_metadata_events`).
 
 Also the idle cost: the every-10th fit's length with a `ProfilerHook` that traces nothing, against the same fit
-without it (whole fit times).
+without it (whole fit times, in fits of their own that alternate, after the traced fits).
 Also the extra CPU time per traced step, of the training process and the render worker together
 (`time.process_time`, the reaped children's `getrusage`, and a running worker's `/proc/<pid>/stat`; the
 peer has no worker): on a machine whose
@@ -259,7 +259,6 @@ def main():
         for every in schedules:
             kinds += [("none", every), ("torch", every, False), ("torch", every, True)]
             kinds += [("ours", every, content) for content in CONTENTS]
-        kinds.append(("idle", max(schedules)))  # (in the every-10th fits' length: the longest untraced fits)
         if layers < 1000:
             for kind in kinds[:4]:
                 fit(model, schedules[kind[1]], kind)  # warm up (the largest model's rounds run after these)
@@ -294,11 +293,16 @@ def main():
                 share = f"{_ms(graph)} / {_ms(own)} = {graph / own:.0%}"
             print(f"| {layers} layers ({events:,}) | {content} | {cells[0]} | {cells[1]} | {cells[2]} | {cells[3]} | "
                   f"{_ms(wait)} / {_ms(stop)} = {wait / stop:.2f}x | {_ms(start)} | {share} |", flush=True)
-        every = max(schedules)
-        idle = statistics.median(run[0] for run in runs[("idle", every)])
-        none = statistics.median(run[0] for run in runs[("none", every)])
-        print(f"(idle: a {schedules[every]}-step fit with a ProfilerHook that traces nothing / without it: "
-              f"{idle:.2f} s / {none:.2f} s = {idle / none:.3f}x)", flush=True)
+        # idle: fits that trace nothing, alternating with untraced ones and after a traced fit's leftovers (its
+        # freed steps, a worker's exit) are gone, in the every-10th fits' length
+        every, idle_runs = max(schedules), {"idle": [], "none": []}
+        for round_ in range(2 * rounds + 3):
+            for name in ("idle", "none") if round_ % 2 else ("none", "idle"):
+                idle_runs[name].append(fit(model, schedules[every], (name, every))[0])
+        idle, none = (statistics.median(idle_runs[name]) for name in ("idle", "none"))
+        print(f"(idle: a {schedules[every]}-step fit with a ProfilerHook that traces nothing / without it, "
+              f"{len(idle_runs['idle'])} alternating fits each: {idle:.2f} s / {none:.2f} s = {idle / none:.3f}x)",
+              flush=True)
         print(f"(load average after {layers} layers: {', '.join(f'{x:.1f}' for x in os.getloadavg())})", flush=True)
         del model
 
