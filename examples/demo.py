@@ -22,7 +22,7 @@ def main() -> None:
     shutil.rmtree(ROOT, ignore_errors=True)
     print("Lightning: 300 steps, ProfilerHook(save_steps=100) ...")
     lightning_paths = train_lightning.main(os.path.join(ROOT, "lightning"))
-    print("Keras (torch backend): 8 epochs, ProfilerHook(save_secs=0.5) ...")
+    print("Keras (torch backend): 20 epochs, ProfilerHook(save_secs=0.2) ...")
     keras_paths = train_keras.main(os.path.join(ROOT, "keras"))
     print()
     for title, paths in (("Lightning", lightning_paths), ("Keras", keras_paths)):

@@ -1,4 +1,4 @@
-"""Train an MLP on the bundled two-moons data with Keras (torch backend), a timeline every 0.5 seconds."""
+"""Train an MLP on the bundled two-moons data with Keras (torch backend), a timeline every 0.2 seconds."""
 
 import argparse
 import os
@@ -9,7 +9,7 @@ from examples.models import moons_keras_model, two_moons  # noqa: E402
 from keras_prof import ProfilerHook  # noqa: E402
 
 
-def main(output_dir: str, epochs: int = 8, save_secs: float = 0.5) -> list[str]:
+def main(output_dir: str, epochs: int = 20, save_secs: float = 0.2) -> list[str]:
     x, y = two_moons()
     model = moons_keras_model()
     hook = ProfilerHook(save_secs=save_secs, output_dir=output_dir)
@@ -20,6 +20,6 @@ def main(output_dir: str, epochs: int = 8, save_secs: float = 0.5) -> list[str]:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--output-dir", default="runs/demo/keras")
-    parser.add_argument("--epochs", type=int, default=8)
+    parser.add_argument("--epochs", type=int, default=20)
     args = parser.parse_args()
     print("\n".join(main(args.output_dir, args.epochs)))
