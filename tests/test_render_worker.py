@@ -6,6 +6,7 @@ training process, and a worker killed mid-render costs that timeline only."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -518,3 +519,26 @@ def test_telling_a_worker_busy_with_another_fits_step_does_not_wait_for_it():
         assert time.monotonic() - started < 1.0
     finally:
         busy._lock.release()
+
+
+def test_a_worker_hung_while_starting_is_judged_by_its_cpu_and_none_is_started_again():
+    """A worker whose start hangs (stopped before its first answer: its imports stuck on a stalled disk) is
+    judged after `stall` seconds without CPU like a running one; a new one would hang the same way, so the
+    calls after say no worker can run here (the capture pipeline then renders in the training process)."""
+    own = worker.Worker()
+    try:
+        own.start(())
+        pid = own._process.pid
+        os.kill(pid, signal.SIGSTOP)
+        started = time.monotonic()
+        with pytest.raises(OSError, match=r"no CPU for 1 s before answering once"):
+            own.call(worker_probe.pid, stall=1.0)
+        assert 1.0 <= time.monotonic() - started < 5
+        assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
+        assert not own.starting
+        with pytest.raises(OSError, match="before answering once"):
+            own.call(worker_probe.pid, stall=1.0)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        own.stop()

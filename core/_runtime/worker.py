@@ -92,9 +92,9 @@ class Worker:
     def call(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None,
              stall: float | None = None) -> Any:
         """`fn(*args)` in the worker. Raises `WorkerFailed` when the worker dies, `fn` raises there, it has
-        not answered after `timeout` seconds, or, having answered a call before, it used no CPU for `stall`
-        seconds (it is killed then: a hung one must not hold up the training process's end); OSError when no
-        worker can run here (it cannot start, or the first one died before answering)."""
+        not answered after `timeout` seconds, or it used no CPU for `stall` seconds (it is killed then: a hung
+        one must not hold up the training process's end); OSError when no worker can run here (it cannot
+        start, or the first one died, or used no CPU for `stall` seconds, before answering)."""
         return self._call(fn, args, timeout, start=True, stall=stall)
 
     def tell(self, fn: Callable[..., Any], *args: Any, timeout: float = _EXIT_SECONDS) -> None:
@@ -119,12 +119,15 @@ class Worker:
                 return None  # (one still starting holds nothing yet)
             reply = None
             deadline = None if timeout is None else time.monotonic() + timeout
-            peer = _Progress(process, stall) if stall is not None and self._answered else process
+            peer = _Progress(process, stall) if stall is not None else process
             try:
                 _send_within(process.stdin.fileno(), request, peer, deadline)
                 reply = _receive(process.stdout.fileno(), peer, deadline)
             except _Stalled:
                 self._discard(process)
+                if not self._answered:  # (hung while starting, its imports stuck: so would the next one be)
+                    self._broken = f"it used no CPU for {stall:g} s before answering once (hung while starting)"
+                    raise OSError(errno.ECHILD, self._broken) from None
                 raise WorkerFailed(f"the render worker used no CPU for {stall:g} s (hung: stopped, or stuck on "
                                    "its disk) and was killed; a new one renders the next steps") from None
             except TimeoutError:

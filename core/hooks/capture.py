@@ -60,11 +60,12 @@ class CaptureOptions:
             and the worker stopped: a hung worker (a stalled TMPDIR, say) must not hold up the fit's end. At the
             worker's pace (tens of microseconds an event at most) 300 s leaves a wide margin for steps of
             millions of events.
-        render_stall_seconds: a worker that has rendered a step before and then uses no CPU for this long while
-            it has a step (stopped with SIGSTOP, stuck on a stalled disk) is judged hung, off the training
-            thread: it is killed, its step dropped (counted in `dropped_outputs`, one warning) and a new worker
-            renders the next steps. A slow worker (a loaded machine) still uses CPU and is never judged so, nor
-            is one still starting (its interpreter and imports): `render_timeout_seconds` bounds those. Where
+        render_stall_seconds: a worker that uses no CPU for this long while it has a step (stopped with
+            SIGSTOP, stuck on a stalled disk) is judged hung, off the training thread: it is killed, its step
+            dropped (counted in `dropped_outputs`, one warning) and a new worker renders the next steps; one
+            that hung while starting (its imports stuck) is not replaced: the steps are rendered in the
+            training process, as where no worker can run. A slow worker (a loaded machine) still uses CPU
+            and is never judged so: `render_timeout_seconds` bounds it. Where
             a process's CPU time cannot be read (not Linux) only `render_timeout_seconds` applies. The training
             thread never waits for the worker this long: a traced step whose turn comes while the worker still
             renders the previous one waits at most its own cost (`RENDER_WAIT_FLOOR_SECONDS` at least), then
