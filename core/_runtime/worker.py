@@ -109,7 +109,7 @@ class Worker:
     def _call(self, fn: Callable[..., Any], args: tuple[Any, ...], timeout: float | None, start: bool,
               stall: float | None = None) -> Any:
         request = pickle.dumps((fn, args), protocol=pickle.HIGHEST_PROTOCOL)
-        with _held(self._lock, None if start else timeout) as held:
+        with _held(self._lock, None if start else 0) as held:
             if not held:  # (busy with another fit's step: a `tell` is skipped, not waited for)
                 return None
             process = self._process

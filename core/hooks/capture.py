@@ -22,6 +22,7 @@ import socket
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 from hookprof._runtime import arguments, distribution, worker
@@ -180,21 +181,22 @@ def profile_run_path(logdir: str, step: int, host: str) -> str:
     (runs sort by step), or, where that file exists already (a second fit from the same step into the same
     directory), `step_<N>.1`, `.2`, ...: xprof caches what it read beside each file, so none is ever rewritten."""
     run = os.path.join(logdir, "plugins", "profile", f"step_{step:010d}")
-    path, again = os.path.join(run, host + xplane.XPLANE_SUFFIX), 0
-    while os.path.lexists(path):
-        again += 1
-        path = os.path.join(f"{run}.{again}", host + xplane.XPLANE_SUFFIX)
-    return path
+    name = host + xplane.XPLANE_SUFFIX
+    return _first_free(lambda again: os.path.join(f"{run}.{again}" if again else run, name), 0)
 
 
 def _free_name(path: str) -> str:
     """`timeline-8.json` -> the first of `timeline-8.1.json`, `timeline-8.2.json`, ... that does not exist."""
     directory, name = os.path.split(path)
     stem, dot, extension = name.partition(".")
-    again = 1
-    while os.path.lexists(candidate := os.path.join(directory, f"{stem}.{again}{dot}{extension}")):
+    return _first_free(lambda again: os.path.join(directory, f"{stem}.{again}{dot}{extension}"), 1)
+
+
+def _first_free(path_of: Callable[[int], str], again: int) -> str:
+    """The first of `path_of(again)`, `path_of(again + 1)`, ... that does not exist (links included)."""
+    while os.path.lexists(path := path_of(again)):
         again += 1
-    return candidate
+    return path
 
 
 NO_TENSORBOARD = "no tensorboard"
@@ -375,7 +377,8 @@ class CapturePipeline:
         self._rendering: BackgroundJob | None = None  # the last job waiting for the render worker (RENDERS)
         self._run_paths: set[str] = set()  # the timelines this run wrote (another fit's are never overwritten)
         self._writes: collections.deque[BackgroundJob] = collections.deque()  # on the disk's worker, in order
-        self._last_graph: dict[int, bytes | None] = {}  # a sink's last step graph (see `store`), by the sink's id
+        # a sink's last step graph (see `store`): (id of the sink, which lives as long as the run, digest)
+        self._last_graph: tuple[int, bytes] | None = None
         self.skipped_traces = 0  # steps due to be traced while max_pending_writes files waited for the disk
         self.skipped_since_file = 0  # of those, the ones no file's metadata has reported yet
 
@@ -398,7 +401,7 @@ class CapturePipeline:
         self.retention.reset()
         self._run_paths.clear()
         self.profile_retention.reset()
-        self._last_graph = {}  # (a new run's sink gets its graph; ids live as long as the run)
+        self._last_graph = None  # (a new run's sink gets its graph)
 
     def room_to_write(self) -> bool:
         """Whether fewer than max_pending_writes of this pipeline's rendered steps wait for the disk, after giving
@@ -577,7 +580,8 @@ class CapturePipeline:
         if events:
             digest, ours = rendered.graph_digest, isinstance(job.events, EventWriter)
             # (the last graph: kept by hookprof's own stream, which hooks share; by this pipeline for a sink)
-            last = job.events.graph_digest if ours else self._last_graph.get(id(job.events))
+            last = job.events.graph_digest if ours else (
+                self._last_graph[1] if self._last_graph is not None and self._last_graph[0] == id(job.events) else None)
             if digest is not None and digest == last:
                 events = events[1:]
             try:
@@ -588,7 +592,7 @@ class CapturePipeline:
                 if ours:
                     job.events.graph_digest = digest
                 else:
-                    self._last_graph = {id(job.events): digest}
+                    self._last_graph = (id(job.events), digest) if digest is not None else None
             except Exception as err:  # TensorBoard output must not end the training run either
                 count_dropped(self._counts)
                 reason = (err.strerror or str(err)) if isinstance(err, OSError) else type(err).__name__

@@ -136,6 +136,7 @@ class EventWriter:
         file there plus one second when that one was started this second (or later): a file started after
         another writer's (or after one of ours that failed) is read after it.
         """
+        self.graph_digest = None  # (a new file gets the step graph again)
         from tensorboard.compat.proto.event_pb2 import Event
 
         os.makedirs(self.logdir, exist_ok=True)

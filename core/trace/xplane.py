@@ -266,17 +266,12 @@ def _interned(ids: dict[str, int], name: str) -> int:
 
 def _event(metadata_id: int, offset_ps: int, duration_ps: int, stats: bytes) -> bytes:
     """An `XEvent` as an `XLine.events` field (`offset_ps`, of the `data` oneof, written even when 0)."""
-    return _event_of(_event_head(metadata_id), offset_ps, duration_ps, stats)
+    return _event_fields(_event_head(metadata_id), offset_ps, _duration(duration_ps), stats)
 
 
 def _event_head(metadata_id: int) -> bytes:
     """An event's fields up to its offset's value: its metadata id and the offset's tag."""
     return _EVENT_ID + varint(metadata_id) + _EVENT_OFFSET
-
-
-def _event_of(head: bytes, offset_ps: int, duration_ps: int, stats: bytes) -> bytes:
-    """`_event` with the metadata's part made once (`_event_head`)."""
-    return _event_fields(head, offset_ps, _duration(duration_ps), stats)
 
 
 def _duration(duration_ps: int) -> bytes:
@@ -285,7 +280,8 @@ def _duration(duration_ps: int) -> bytes:
 
 
 def _event_fields(head: bytes, offset_ps: int, duration: bytes, stats: bytes) -> bytes:
-    """`_event_of` with the duration's field made once (`_duration`: a step repeats its ops' durations)."""
+    """`_event` with the metadata's part (`_event_head`) and the duration's field (`_duration`: a step
+    repeats its ops' durations) made once."""
     body = head + varint(offset_ps) + duration + stats
     size = len(body)
     return _LINE_EVENT + (SIZES[size] if size < 2048 else varint(size)) + body
