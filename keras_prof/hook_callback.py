@@ -300,16 +300,14 @@ def tracer_factory(model: keras.Model) -> TracerFactory:
         if missing is None:
             if compiles_step(model):
                 return lambda: JaxTracer(model)
-            said: list[bool] = []
+            warn = WarnOnce(log)  # (once a fit: this factory is the fit's)
 
             def eager_tracer() -> JaxTracer:
-                if not said:  # (once a fit: this factory is the fit's)
-                    said.append(True)
-                    log.warning("keras_prof: this model's train step runs without jit (%s), so JAX runs each op "
-                                "as its own small program: traced steps show the ops without scopes, all as "
-                                "'forward' (scopes and phases come from the compiled train step's name stack). "
-                                "Compile with jit_compile=True and run_eagerly=False (the defaults) to see them.",
-                                "run_eagerly=True" if getattr(model, "run_eagerly", False) else "jit_compile=False")
+                warn("eager", "keras_prof: this model's train step runs without jit (%s), so JAX runs each op as its "
+                     "own small program: traced steps show the ops without scopes, all as 'forward' (scopes and "
+                     "phases come from the compiled train step's name stack). Compile with jit_compile=True and "
+                     "run_eagerly=False (the defaults) to see them.",
+                     "run_eagerly=True" if getattr(model, "run_eagerly", False) else "jit_compile=False")
                 return JaxTracer(model)
 
             return eager_tracer

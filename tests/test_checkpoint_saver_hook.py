@@ -779,3 +779,13 @@ def test_an_older_keras_saves_through_a_claimed_scratch_directory_and_sweeps_dea
         for process in (dead, live):
             if process is not None:
                 process.stdout.close()
+
+
+def test_default_saver_keeps_a_bfloat16_models_weights_as_float32(tmp_dir):
+    """numpy has no bfloat16: the saver reads a bf16 model's weights as hookprof's summaries read tensors
+    (`hookprof.summary.to_numpy`: float32, every value exact), where `tensor.numpy()` raised."""
+    model = torch.nn.Linear(3, 2).to(torch.bfloat16)
+    Loop(CheckpointSaverHook(tmp_dir, save_steps=1), create_session=True, model=model).run()
+    saved = load_variable(tmp_dir, "model/weight")
+    assert saved.dtype == np.float32
+    np.testing.assert_array_equal(saved, model.weight.detach().float().numpy())

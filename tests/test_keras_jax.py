@@ -167,6 +167,7 @@ def test_the_profile_tab_has_hookprofs_step_and_jaxs_own_xspace_beside_it(jax_ru
     profile = os.path.join(out, "timelines", "plugins", "profile")
     host = os.uname().nodename
     assert sorted(os.listdir(profile)) == [f"step_{n:010d}{suffix}" for n in (2, 4, 6) for suffix in ("", "_jax")]
+    natives = []
     for step in (2, 4, 6):
         ours = xspace.parse_xspace(open(os.path.join(profile, f"step_{step:010d}", f"{host}.xplane.pb"), "rb").read())
         native_path = os.path.join(profile, f"step_{step:010d}_jax", f"{host}.xplane.pb")
@@ -175,10 +176,13 @@ def test_the_profile_tab_has_hookprofs_step_and_jaxs_own_xspace_beside_it(jax_ru
         assert native != ours and len(native.planes) >= 1
         hlo_ops = {row.name for row in xspace.events(native, frozenset({"hlo_op"})) if "hlo_op" in row.stats}
         assert hlo_ops, [p.name for p in native.planes]  # XLA's executed ops, as JAX recorded them
-        if raw_to_tool_data is not None:  # xprof's trace viewer on JAX's file: XLA's ops, by their HLO names
-            data, _ = raw_to_tool_data.xspace_to_tool_data([native_path], "trace_viewer", {})
-            shown = {event.get("name") for event in json.loads(data)["traceEvents"]}
-            assert hlo_ops <= shown, sorted(hlo_ops - shown)[:10]
+        natives.append((native_path, hlo_ops))
+    if raw_to_tool_data is None:
+        pytest.skip("xprof is not installed: its trace viewer is not run on JAX's files")
+    for native_path, hlo_ops in natives:  # xprof's trace viewer on JAX's file: XLA's ops, by their HLO names
+        data, _ = raw_to_tool_data.xspace_to_tool_data([native_path], "trace_viewer", {})
+        shown = {event.get("name") for event in json.loads(data)["traceEvents"]}
+        assert hlo_ops <= shown, sorted(hlo_ops - shown)[:10]
 
 
 @pytest.fixture(scope="module")
@@ -199,7 +203,7 @@ def test_a_slow_input_pipeline_shows_as_data_wait_not_forward(jax_configs):
     slow = jax_configs[0]["slow"]
     assert slow["paths"] == ["timeline-2.json", "timeline-4.json", "timeline-6.json"]
     assert all(wait >= 35_000 for wait in slow["data_wait_us"][1:]), slow
-    assert all(forward < 35_000 for forward in slow["forward_us"][1:]), slow
+    assert all(0 < forward < 35_000 for forward in slow["forward_us"][1:]), slow
 
 
 def test_a_generator_running_out_ends_the_epoch_and_the_hooks_end(jax_configs):

@@ -25,6 +25,7 @@ from hookprof._runtime.atomic_file import atomic_write, remove_stale_temps
 from hookprof._runtime.background import count_dropped
 from hookprof.hooks.periodic_hook import PeriodicHook
 from hookprof.hooks.timer import check_exactly_one
+from hookprof.summary import to_numpy
 
 log = logging.getLogger(__name__)
 
@@ -398,18 +399,11 @@ def _model_arrays(model: Any) -> dict[str, np.ndarray]:
     state = getattr(model, "state_dict", None)
     if callable(state):
         values = state()
-        return {f"model/{name}": _host_array(value) for name, value in values.items()}
+        return {f"model/{name}": to_numpy(value) for name, value in values.items()}  # (bf16 as float32)
     weights = getattr(model, "get_weights", None)
     if callable(weights):
-        return {f"model/{i}": np.asarray(value) for i, value in enumerate(weights())}
+        return {f"model/{i}": to_numpy(value) for i, value in enumerate(weights())}
     return {}
-
-
-def _host_array(value: Any) -> np.ndarray:
-    detach = getattr(value, "detach", None)
-    if callable(detach):  # a torch tensor (on any device)
-        value = detach().cpu().numpy()
-    return np.asarray(value)
 
 
 def _checkpoint_file(ckpt_dir_or_file: str | os.PathLike) -> str:
