@@ -7,11 +7,14 @@ from __future__ import annotations
 
 
 def _scaled(value: float, units: tuple[tuple[float, str], ...], plain: str) -> str:
-    """tfprof's number formats: an integer below the first step, then two decimals in the largest unit."""
+    """tfprof's number formats: an integer below the first step, then two decimals in the largest unit.
+
+    The value is first rounded to nine decimals, so that figures summed in another order (a timeline's events
+    against the profile they came from) print alike: 12.499999999999998us and 12.5us are both `12us`."""
     for size, unit in reversed(units):
         if value >= size:
-            return f"{value / size:.2f}{unit}"
-    return f"{int(round(value))}{plain}"
+            return f"{round(value / size, 9):.2f}{unit}"
+    return f"{int(round(round(value, 9)))}{plain}"
 
 
 def format_time(micros: float) -> str:

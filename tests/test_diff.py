@@ -211,3 +211,14 @@ def test_hookprof_diff_bad_input_is_one_line(run):
     assert_fails_with(hookprof("diff", "run.prof", "--steps", str(extra), "77", cwd=out),
                       f"hookprof diff: --steps {extra} 77: step 77 was not traced in run.prof (traced steps: "
                       f"{', '.join(map(str, prof.data.step_numbers()))})")
+
+
+def test_figures_summed_in_another_order_print_alike():
+    """A timeline's events and the profile they came from sum one row's times in different orders; the sums
+    differ in the last bit, which must not move a printed figure across a rounding edge."""
+    parts = [0.1] * 10 + [1.5]  # 2.5 summed one way (prints 2us), 2.500000000000001 the other
+    forward, backward = sum(parts), sum(reversed(parts))
+    assert forward != backward
+    assert format_time(forward) == format_time(backward)
+    assert format_time(forward * 1000) == format_time(backward * 1000)
+    assert format_memory(forward * 1e6) == format_memory(backward * 1e6)
