@@ -21,8 +21,9 @@ import itertools
 import logging
 import os
 import sys
+import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import FrameType
 from typing import Any
 
@@ -163,7 +164,10 @@ class _Fit:
         self.watch: _TrainStepWatch | None = None
         self.ended = False  # end() or close() ran: its watch, if still on the model, only calls through
         self.fetches_in_step = keras.backend.backend() == "jax"  # train_function(state, iterator): `fetched_first`
-        self._callbacks = _fit_callbacks(model)  # (which `Model.fit` call this is: see `running`)
+        self._closing = threading.Lock()
+        # which `Model.fit` call this is (see `running`); when its callback list goes, the call has ended: one
+        # that failed outside its steps (another callback's on_epoch_end) told no one, and is closed then
+        self._callbacks = _fit_callbacks(model, on_gone=self._call_ended)
         function = getattr(model, "train_function", None)
         if isinstance(function, _TrainStepWatch) and not function.fit.running():
             # left by a fit that failed outside a step (Keras told no one); a fit running around this one
@@ -213,12 +217,27 @@ class _Fit:
 
     def close(self) -> None:
         """The fit failed (or was left by an earlier one that failed): release the hooks' files, no `end()`."""
-        try:
-            if self.driver is not None:
-                self.driver.abort_step()  # (a running trace stops before the hooks close their files)
-                self.driver.close()
-        finally:
-            self._leave()
+        with self._closing:
+            if self.ended:
+                return
+            try:
+                if self.driver is not None:
+                    self.driver.abort_step()  # (a running trace stops before the hooks close their files)
+                    self.driver.close()
+            finally:
+                self._leave()
+
+    def _call_ended(self, _gone: weakref.ref) -> None:
+        """The fit's `Model.fit` call ended (its callback list is freed): close it if nothing did, on a thread
+        of its own (this runs wherever the list was freed, perhaps inside hookprof's own locked code). Not at
+        the interpreter's exit (a traceback that ended the script is freed with the modules, after hookprof's
+        exit handler closed every fit): no thread can start then, and one asked to waits forever."""
+        if self.ended or sys.is_finalizing():
+            return
+        try:  # (not a daemon: an interpreter that exits now waits for the close to finish its files)
+            threading.Thread(target=self.close, name="hookprof-fit-close").start()
+        except RuntimeError:  # (the interpreter is shutting down its threads)
+            pass
 
     def _leave(self) -> None:
         self.ended = True
@@ -230,14 +249,16 @@ class _Fit:
             member._fit, member._driver, member._session, member._follows = None, None, None, False
 
 
-def _fit_callbacks(model: keras.Model, wanted: Any = None) -> weakref.ref | None:
+def _fit_callbacks(model: keras.Model, wanted: Any = None,
+                   on_gone: Callable[[weakref.ref], Any] | None = None) -> weakref.ref | None:
     """A weak reference to the `CallbackList` of the innermost `model.fit` on this thread's stack (the one
-    `wanted`, if given), or None (a weak one: a failed fit's traceback must not keep more of it alive)."""
+    `wanted`, if given), or None (a weak one: a failed fit's traceback must not keep more of it alive);
+    `on_gone` is called when the list is freed."""
     frame = _fit_frame(model, wanted)
     if frame is None:
         return None
     try:
-        return weakref.ref(frame.f_locals["callbacks"])
+        return weakref.ref(frame.f_locals["callbacks"], on_gone)
     except TypeError:
         return None
 

@@ -311,3 +311,27 @@ def test_after_a_lightning_fit_its_callbacks_hold_neither_model_nor_trainer(tmp_
     gc.collect()
     assert [ref() for ref in gone] == [None, None]
     assert hooks[0].saved_paths  # (the callbacks are alive, with what they wrote)
+
+
+def test_a_keras_fit_that_fails_in_another_callbacks_epoch_end_leaves_nothing_running_once_it_returns(tmp_dir):
+    """Another callback's `on_epoch_end` raises after traced steps: Keras tells no callback, and `fit` raises.
+    Once the call has ended (its callback list is freed), the fit is closed: no render worker, thread or
+    profiler of hookprof's is left, with no later fit to sweep it up."""
+
+    class FailsAtEpochEnd(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            raise RuntimeError("epoch end failed")
+
+    hook = KerasProfilerHook(save_steps=2, output_dir=os.path.join(tmp_dir, "prof"))
+    try:
+        keras_model().fit(*keras_data(), batch_size=8, epochs=2, verbose=0, callbacks=[hook, FailsAtEpochEnd()])
+    except RuntimeError as err:
+        assert str(err) == "epoch end failed"
+    else:
+        raise AssertionError("the fit did not fail")
+    assert timeline_steps(os.path.join(tmp_dir, "prof"))[:1] == [2]  # (the worker ran)
+    for _ in range(100):  # (closed on a thread of its own, once the list is freed)
+        if not leftovers():
+            break
+        threading.Event().wait(0.1)
+    assert leftovers() == []
