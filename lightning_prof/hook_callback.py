@@ -33,6 +33,7 @@ from lightning.pytorch.profilers import PyTorchProfiler
 from typing_extensions import override
 
 from hookprof._runtime.fit_run import on_fit_end
+from hookprof.hooks.adapter import fit_begins, send_home
 from hookprof.hooks.hooked_session import HookedSession, check_hooks
 from hookprof.hooks.identity import SCHEDULE_ATTRIBUTES, check_name, identity, schedule
 from hookprof.hooks.session import Session, StepState, check_reduce
@@ -281,6 +282,7 @@ class HookCallback(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
+        fit_begins(self)
         members = [callback for callback in trainer.callbacks if isinstance(callback, HookCallback)]
         if members[0] is not self:
             self._driver = None  # the first one drives this fit's hooks, ours included
@@ -427,8 +429,15 @@ class HookCallback(Callback):
             self._leave()
 
     def _leave(self) -> None:
-        """The fit is over: let go of its trainer and model (a callback kept for its `saved_paths` holds neither)."""
+        """The fit is over: let go of its trainer and model (a callback kept for its `saved_paths` holds neither).
+        Under `ddp_spawn` the fit ran in copies of the callbacks: rank 0's send their hooks' properties to the
+        callbacks the user holds in the process that started the ranks."""
+        session = self._session
         self._driver = self._session = None
+        if session is not None and session.rank == 0:
+            for member in session.trainer.callbacks:
+                if isinstance(member, HookCallback):
+                    send_home(member)
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
