@@ -17,7 +17,6 @@ ops); other backends get the host tracer (phase spans only) and one warning.
 from __future__ import annotations
 
 import collections.abc
-import itertools
 import logging
 import os
 import sys
@@ -34,6 +33,7 @@ from hookprof.hooks.hooked_session import HookedSession, check_hooks
 from hookprof.hooks.session import Session, StepState
 from hookprof.hooks.session_run_hook import SessionRunArgs, SessionRunHook
 from hookprof.summary import to_numpy
+from hookprof.trace.format import DATA_WAIT
 from hookprof.tracing import HostTracer, TracerFactory
 
 log = logging.getLogger(__name__)
@@ -122,9 +122,9 @@ class _TrainStepWatch:
         try:
             driver = fit.driver
             if driver is not None:
-                if (fit.fetches_in_step and driver.trace_pending and len(args) == 2 and not kwargs
+                if (fit.fetches_in_step and len(args) == 2 and not kwargs
                         and isinstance(args[1], collections.abc.Iterator)):  # (Keras < 3.7: a loaded list)
-                    args = (args[0], fetched_first(args[1]))  # the batch loads before the trace starts: data wait
+                    args = (args[0], WaitedBatches(args[1], driver, fit.session.steps_per_run))
                 driver.start_trace()  # (the tracer runs only inside the step: see HookedSession)
             return self.function(*args, **kwargs)
         except StopIteration:  # the data ran out (Keras ends the epoch, and the fit goes on): no step ran
@@ -136,13 +136,42 @@ class _TrainStepWatch:
             raise
 
 
-def fetched_first(iterator: Any) -> Any:
-    """`iterator` with its next item fetched now: Keras on JAX calls `train_function(state, iterator)`, which
-    fetches the step's batch itself, so a slow input pipeline would show as the traced step's forward pass. Its
-    batch loads before the trace starts instead, in the step's data wait, as on the torch backend (whose train
-    function gets the batch loaded). An exhausted iterator raises StopIteration here, as the step would have."""
-    first = next(iterator)
-    return itertools.chain((first,), iterator)
+class WaitedBatches:
+    """The iterator Keras on JAX hands `train_function(state, iterator)`, which fetches its batches itself: a slow
+    input pipeline would show as the traced step's forward pass. Where a trace is about to start, the first batch
+    is fetched now, before it, in the step's data wait, as on the torch backend (whose train function gets the
+    batch loaded); an exhausted iterator raises StopIteration here, as the step would have. With
+    `steps_per_execution` > 1 the call fetches its later batches between its jitted steps, with no callback in
+    between: each of those fetches is a data wait of the running step, and the batch after it a micro-batch (its
+    forward pass and what follows, as Lightning's accumulated batches), marked where a trace runs or triggers
+    watch (free otherwise)."""
+
+    __slots__ = ("_iterator", "_driver", "_first", "_fetched")
+
+    def __init__(self, iterator: Any, driver: HookedSession, per_call: int) -> None:
+        self._iterator = iterator
+        self._driver = driver if per_call > 1 else None
+        self._fetched = 0
+        self._first = next(iterator) if driver.trace_pending else _NOT_FETCHED
+
+    def __iter__(self) -> WaitedBatches:
+        return self
+
+    def __next__(self) -> Any:
+        self._fetched += 1
+        if self._fetched == 1:
+            first, self._first = self._first, _NOT_FETCHED
+            return next(self._iterator) if first is _NOT_FETCHED else first
+        driver = self._driver
+        if driver is None:
+            return next(self._iterator)
+        driver.mark(DATA_WAIT)
+        batch = next(self._iterator)
+        driver.micro_batch()
+        return batch
+
+
+_NOT_FETCHED = object()
 
 
 class _Fit:
@@ -162,7 +191,7 @@ class _Fit:
         self.session: KerasSession | None = None
         self.watch: _TrainStepWatch | None = None
         self.ended = False  # end() or close() ran: its watch, if still on the model, only calls through
-        self.fetches_in_step = keras.backend.backend() == "jax"  # train_function(state, iterator): `fetched_first`
+        self.fetches_in_step = keras.backend.backend() == "jax"  # train_function(state, iterator): `WaitedBatches`
         self._callbacks = _fit_callbacks(model)  # (which `Model.fit` call this is: see `running`)
         function = getattr(model, "train_function", None)
         if isinstance(function, _TrainStepWatch) and not function.fit.running():

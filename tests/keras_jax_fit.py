@@ -141,6 +141,14 @@ def phase_us(path, phase):
     return round(sum(e["dur"] for e in events if e.get("cat") == "Span" and e.get("name") == phase))
 
 
+def phase_spans(path):
+    """The step's phase spans in a timeline, in time order: [name, start us, duration us]."""
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    spans = [e for e in events if e.get("cat") == "Span"]
+    return [[e["name"], e["ts"], round(e["dur"])] for e in sorted(spans, key=lambda e: e["ts"])]
+
+
 class FedScale(keras.Sequential):
     """Scales its loss by the fed `scale` and notes each step's value (a Python side effect: seen only when the
     train step runs as Python, i.e. eagerly)."""
@@ -173,6 +181,19 @@ def configs(out: str) -> None:
                       "data_wait_us": [phase_us(p, "data_wait") for p in slow.saved_paths],
                       "forward_us": [phase_us(p, "forward") for p in slow.saved_paths],
                       "steps": probe.steps, "ended": probe.ended}
+
+    # steps_per_execution=4: the call fetches its later batches between its jitted steps, each in a data wait
+    grouped = tiny_model("grouped")
+    grouped.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", steps_per_execution=4)
+    grouped_profiler = Profiler()
+    traced = ProfilerHook(save_steps=4, output_dir=os.path.join(out, "grouped"), tensorboard=False,
+                          profiler=grouped_profiler)
+    x12, y12 = data(8 * 12)
+    grouped.fit(slow_batches(x12, y12), epochs=1, callbacks=[traced], verbose=0)
+    result["grouped"] = {"paths": [os.path.basename(p) for p in traced.saved_paths],
+                         "spans": [phase_spans(p) for p in traced.saved_paths],
+                         "profile": {step: [summary.data_wait_micros, summary.step_micros]
+                                     for (_, step), summary in grouped_profiler.data.steps.items()}}
 
     # jit_compile=False: one warning saying why the ops have no scopes
     eager = tiny_model("eager")

@@ -307,7 +307,7 @@ def _add_phase_spans(stats: StepStats, data_wait: tuple[int, int] | None, marks:
         spans.append((fmt.DATA_WAIT, *data_wait))
     step_start = marks[0][1]
     spans.append((fmt.TRAIN_STEP, step_start, end_ns))
-    spans += _phase_spans(step_start, marks[1:] or _phases_seen(stats, step_start, end_ns), end_ns)
+    spans += _phase_spans(step_start, _with_phases_seen(stats, step_start, marks[1:], end_ns), end_ns)
     loops = [(start, stop) for name, start, stop in spans if name == fmt.VALIDATION]
     if loops:  # a validation run inside the step (an accumulation window): its ops are no forward pass of it
         for node in host.node_stats:
@@ -330,6 +330,22 @@ def _phase_spans(step_start: int, marks: list[tuple[str, int]], end_ns: int) -> 
         phases.insert(0, ("forward", step_start))
     return [(name, start, phases[i + 1][1] if i + 1 < len(phases) else end_ns)
             for i, (name, start) in enumerate(phases)]
+
+
+def _with_phases_seen(stats: StepStats, step_start: int, marks: list[tuple[str, int]],
+                      end_ns: int) -> list[tuple[str, int]]:
+    """The step's marks, and where the framework marks no backward pass or optimizer (Keras), the phases its ops
+    show, in each batch of the step: from the step's start, or a later batch's (a MICRO_BATCH mark: Keras on JAX
+    marks the data waits between the batches of one `steps_per_execution` call), to the next mark."""
+    if any(name in _COMPUTE_MARKS for name, _ in marks):
+        return marks
+    seen = []
+    for start in [step_start] + [at for name, at in marks if name == MICRO_BATCH]:
+        seen += _phases_seen(stats, start, min((at for _, at in marks if at > start), default=end_ns))
+    return sorted(marks + seen, key=lambda mark: mark[1]) if marks else seen
+
+
+_COMPUTE_MARKS = frozenset({"backward", "after_backward", "optimizer"})  # what a framework that marks them marks
 
 
 def _phases_seen(stats: StepStats, step_start: int, step_end: int) -> list[tuple[str, int]]:
