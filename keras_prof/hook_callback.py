@@ -66,6 +66,7 @@ class KerasSession(Session):
         per_call = getattr(model, "steps_per_execution", 1)
         self.steps_per_run = per_call if isinstance(per_call, int) and per_call > 1 else 1
         self.image_format = "NCHW" if keras.config.image_data_format() == "channels_first" else "NHWC"
+        self.feeds_unread = unread_feeds(model)
 
     @property
     def model(self) -> keras.Model:
@@ -302,16 +303,27 @@ def compiles_step(model: keras.Model) -> bool:
     return backend == "tensorflow" or (backend == "jax" and bool(getattr(model, "jit_compile", True)))
 
 
+def unread_feeds(model: keras.Model) -> str | None:
+    """Why the values hooks feed into a step (`SessionRunArgs(feed_dict=...)`, read with `hookprof.step_feeds()`)
+    would not reach this model's train step, with the fix; None where they do. A compiled step reads them once,
+    when it is traced, and would see the first step's values on every step."""
+    if not compiles_step(model):
+        return None
+    backend = keras.backend.backend()
+    fix = "run_eagerly=True (model.compile(..., run_eagerly=True))" + (" or jit_compile=False" if backend == "jax"
+                                                                        else "")
+    return (f"feeds each step through hookprof.step_feeds(), but Keras on {backend} compiles the train step (traced "
+            f"once, then replayed): it would read the first step's values on every step. Compile the model with "
+            f"{fix} to feed each step.")
+
+
 def check_feeds(model: keras.Model, hooks: Sequence[SessionRunHook]) -> None:
-    """A `FeedFnHook` feeds each step through `hookprof.step_feeds()`, which a compiled train step reads once,
-    when it is traced: refuse it before the first step rather than feed every step the first step's values."""
+    """A `FeedFnHook` is refused before the first step where the step would not read its feeds (`unread_feeds`);
+    any other hook that feeds is refused at the first step it does (`HookedSession.before_run`)."""
     feeders = [type(hook).__name__ for hook in hooks if isinstance(hook, FeedFnHook)]
-    if feeders and compiles_step(model):
-        raise ValueError(
-            f"{feeders[0]} feeds each step through hookprof.step_feeds(), but Keras on {keras.backend.backend()} "
-            "compiles the train step (traced once, then replayed): it would read the first step's values on every "
-            "step. Compile the model with run_eagerly=True (model.compile(..., run_eagerly=True)) to feed each "
-            "step.")
+    unread = unread_feeds(model) if feeders else None
+    if unread is not None:
+        raise ValueError(f"{feeders[0]} {unread}")
 
 
 def tracer_factory(model: keras.Model) -> TracerFactory:

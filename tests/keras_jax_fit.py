@@ -161,6 +161,17 @@ class FedScale(keras.Sequential):
         return super().compute_loss(*args, **kwargs) * scale
 
 
+class FeedsFromStep(SessionRunHook):
+    """A user hook that feeds `scale` = the coming step's number through SessionRunArgs, from step `first` on."""
+
+    def __init__(self, first):
+        self.first = first
+
+    def before_run(self, run_context):
+        step = run_context.session.global_step + 1
+        return SessionRunArgs(feed_dict={"scale": float(step)}) if step >= self.first else None
+
+
 def fed_model(**compile_args):
     keras.utils.set_random_seed(0)
     model = FedScale([keras.Input((8,)), keras.layers.Dense(1, name="fc")], name="fed")
@@ -215,6 +226,20 @@ def configs(out: str) -> None:
     fed_model(run_eagerly=True).fit(x, y, batch_size=8, epochs=1,
                                     callbacks=[FeedFnHook(lambda: {"scale": next(scales)})], verbose=0)
     result["fed_eagerly"] = list(FedScale.seen)
+
+    # a user hook that feeds through SessionRunArgs(feed_dict=...): refused under jit at its first feeding step,
+    # fed each step without jit
+    FedScale.seen.clear()
+    jitted = fed_model()
+    try:
+        jitted.fit(x, y, batch_size=8, epochs=1, callbacks=[HookCallback([FeedsFromStep(2)])], verbose=0)
+    except ValueError as error:
+        result["user_feed_under_jit"] = str(error)
+    result["user_feed_under_jit_iterations"] = int(jitted.optimizer.iterations.numpy())
+    FedScale.seen.clear()
+    fed_model(jit_compile=False).fit(x, y, batch_size=8, epochs=1, callbacks=[HookCallback([FeedsFromStep(2)])],
+                                     verbose=0)
+    result["user_fed_unjitted"] = list(FedScale.seen)
     with open(os.path.join(out, "result.json"), "w") as f:
         json.dump(result, f)
 

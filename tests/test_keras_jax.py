@@ -250,6 +250,18 @@ def test_feed_fn_hook_is_refused_under_jit_and_feeds_every_step_eagerly(jax_conf
     assert result["feed_under_jit"] == (
         "FeedFnHook feeds each step through hookprof.step_feeds(), but Keras on jax compiles the train step (traced "
         "once, then replayed): it would read the first step's values on every step. Compile the model with "
-        "run_eagerly=True (model.compile(..., run_eagerly=True)) to feed each step.")
+        "run_eagerly=True (model.compile(..., run_eagerly=True)) or jit_compile=False to feed each step.")
     assert result["feed_under_jit_iterations"] == 0  # refused before the first step
     assert result["fed_eagerly"][-6:] == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]  # (Keras' build reads it once before)
+
+
+def test_a_user_hooks_feed_dict_fails_under_jit_at_its_first_feeding_step_and_feeds_without_jit(jax_configs):
+    """A user hook returning SessionRunArgs(feed_dict=...) under jit fed nothing, silently: now the fit fails at the
+    first step the hook feeds, naming the hook and the fix; with jit_compile=False each step reads its feed."""
+    result = jax_configs[0]
+    assert result["user_feed_under_jit"] == (
+        "FeedsFromStep feeds each step through hookprof.step_feeds(), but Keras on jax compiles the train step "
+        "(traced once, then replayed): it would read the first step's values on every step. Compile the model with "
+        "run_eagerly=True (model.compile(..., run_eagerly=True)) or jit_compile=False to feed each step.")
+    assert result["user_feed_under_jit_iterations"] == 1  # step 1 fed nothing and ran; step 2's feed failed
+    assert result["user_fed_unjitted"][-5:] == [2.0, 3.0, 4.0, 5.0, 6.0]  # step 1: no feed, scale 1 (default)
