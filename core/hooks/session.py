@@ -182,3 +182,10 @@ def evaluate_fetches(fetches: Any, state: StepState) -> Any:
 def steps_per_run(session: Any) -> int:
     """The global steps a step of `session` advances (1 for a session that does not say, or none yet)."""
     return getattr(session, "steps_per_run", 1)
+
+
+def coming_step(session: Any, global_step: int) -> int:
+    """The global step that a step of `session` starting at `global_step` reaches (TF's `global_step +
+    steps_per_run`): what a schedule or a stop judges the coming step by. One attribute read, no other call: the
+    hooks' `quiet_on` run it on every step."""
+    return global_step + getattr(session, "steps_per_run", 1)
