@@ -215,7 +215,7 @@ class StepTraceCoordinator:
                 current.metadata = RunMetadata()
                 return current.metadata
 
-            phases = _Phases(current.tracer.name, current.data_wait, list(current.marks), end_ns)
+            phases = StepPhases(current.tracer.name, current.data_wait, list(current.marks), end_ns)
 
             def make_step_stats() -> StepStats | None:
                 try:
@@ -246,8 +246,16 @@ class StepTraceCoordinator:
 
 
 @dataclasses.dataclass
-class _Phases:
-    """What the coordinator adds to a traced step's stats: the tracer's name and the step's phase spans."""
+class StepPhases:
+    """What the coordinator adds to a traced step's stats: the tracer's name and the step's phase spans. Public:
+    a `PhasedExport` carries one (to the render worker), and a step recorded elsewhere is phased with one.
+
+    Attributes:
+        tracer: the tracer's name (`metadata["tracer"]`, unless the stats name one).
+        data_wait: (start, end) ns of the wait before the step, or None (a run's first step).
+        marks: (phase, ns) where each phase began, the step's start first (`("step", ns)` or its first phase).
+        end_ns: the step's end.
+    """
 
     tracer: str
     data_wait: tuple[int, int] | None
@@ -266,7 +274,7 @@ class PhasedExport:
     picklable, for the render worker (`hookprof._runtime.worker`)."""
 
     exported: Any
-    phases: _Phases
+    phases: StepPhases
 
     def to_stats(self) -> StepStats:
         return self.phases.add_to(self.exported.to_stats())
