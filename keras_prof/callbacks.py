@@ -184,7 +184,9 @@ FeedFnHook = callback_class(hooks.FeedFnHook, KERAS, """
     `hookprof.step_feeds()` (e.g. in a custom `train_step`, or a layer's `call` during training); they are
     never put into the batch. Runs on every step, as TF's did. A compiled train step (JAX with `jit_compile`,
     the default; TensorFlow) reads them once, when traced: the fit is refused before its first step with a
-    `ValueError`; compile the model with `run_eagerly=True` to feed each step.
+    `ValueError`; compile the model with `run_eagerly=True` (on JAX, or `jit_compile=False`) to feed each step.
+    Any other hook whose `before_run` returns `SessionRunArgs(feed_dict=...)` fails the same way at the first
+    step it feeds.
 
     Example::
 

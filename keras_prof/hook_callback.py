@@ -17,7 +17,6 @@ ops); other backends get the host tracer (phase spans only) and one warning.
 from __future__ import annotations
 
 import collections.abc
-import itertools
 import logging
 import os
 import sys
@@ -35,6 +34,7 @@ from hookprof.hooks.hooked_session import HookedSession, check_hooks
 from hookprof.hooks.session import Session, StepState
 from hookprof.hooks.session_run_hook import SessionRunArgs, SessionRunHook
 from hookprof.summary import to_numpy
+from hookprof.trace.format import DATA_WAIT
 from hookprof.tracing import HostTracer, TracerFactory
 
 log = logging.getLogger(__name__)
@@ -67,6 +67,7 @@ class KerasSession(Session):
         per_call = getattr(model, "steps_per_execution", 1)
         self.steps_per_run = per_call if isinstance(per_call, int) and per_call > 1 else 1
         self.image_format = "NCHW" if keras.config.image_data_format() == "channels_first" else "NHWC"
+        self.feeds_unread = unread_feeds(model)
 
     @property
     def model(self) -> keras.Model:
@@ -123,9 +124,9 @@ class _TrainStepWatch:
         try:
             driver = fit.driver
             if driver is not None:
-                if (fit.fetches_in_step and driver.trace_pending and len(args) == 2 and not kwargs
+                if (fit.fetches_in_step and len(args) == 2 and not kwargs
                         and isinstance(args[1], collections.abc.Iterator)):  # (Keras < 3.7: a loaded list)
-                    args = (args[0], fetched_first(args[1]))  # the batch loads before the trace starts: data wait
+                    args = (args[0], WaitedBatches(args[1], driver, fit.session.steps_per_run))
                 driver.start_trace()  # (the tracer runs only inside the step: see HookedSession)
             return self.function(*args, **kwargs)
         except StopIteration:  # the data ran out (Keras ends the epoch, and the fit goes on): no step ran
@@ -137,13 +138,42 @@ class _TrainStepWatch:
             raise
 
 
-def fetched_first(iterator: Any) -> Any:
-    """`iterator` with its next item fetched now: Keras on JAX calls `train_function(state, iterator)`, which
-    fetches the step's batch itself, so a slow input pipeline would show as the traced step's forward pass. Its
-    batch loads before the trace starts instead, in the step's data wait, as on the torch backend (whose train
-    function gets the batch loaded). An exhausted iterator raises StopIteration here, as the step would have."""
-    first = next(iterator)
-    return itertools.chain((first,), iterator)
+class WaitedBatches:
+    """The iterator Keras on JAX hands `train_function(state, iterator)`, which fetches its batches itself: a slow
+    input pipeline would show as the traced step's forward pass. Where a trace is about to start, the first batch
+    is fetched now, before it, in the step's data wait, as on the torch backend (whose train function gets the
+    batch loaded); an exhausted iterator raises StopIteration here, as the step would have. With
+    `steps_per_execution` > 1 the call fetches its later batches between its jitted steps, with no callback in
+    between: each of those fetches is a data wait of the running step, and the batch after it a micro-batch (its
+    forward pass and what follows, as Lightning's accumulated batches), marked where a trace runs or triggers
+    watch (free otherwise)."""
+
+    __slots__ = ("_iterator", "_driver", "_first", "_fetched")
+
+    def __init__(self, iterator: Any, driver: HookedSession, per_call: int) -> None:
+        self._iterator = iterator
+        self._driver = driver if per_call > 1 else None
+        self._fetched = 0
+        self._first = next(iterator) if driver.trace_pending else _NOT_FETCHED
+
+    def __iter__(self) -> WaitedBatches:
+        return self
+
+    def __next__(self) -> Any:
+        self._fetched += 1
+        if self._fetched == 1:
+            first, self._first = self._first, _NOT_FETCHED
+            return next(self._iterator) if first is _NOT_FETCHED else first
+        driver = self._driver
+        if driver is None:
+            return next(self._iterator)
+        driver.mark(DATA_WAIT)
+        batch = next(self._iterator)
+        driver.micro_batch()
+        return batch
+
+
+_NOT_FETCHED = object()
 
 
 class _Fit:
@@ -163,7 +193,7 @@ class _Fit:
         self.session: KerasSession | None = None
         self.watch: _TrainStepWatch | None = None
         self.ended = False  # end() or close() ran: its watch, if still on the model, only calls through
-        self.fetches_in_step = keras.backend.backend() == "jax"  # train_function(state, iterator): `fetched_first`
+        self.fetches_in_step = keras.backend.backend() == "jax"  # train_function(state, iterator): `WaitedBatches`
         self._closing = threading.Lock()
         # which `Model.fit` call this is (see `running`); when its callback list goes, the call has ended: one
         # that failed outside its steps (another callback's on_epoch_end) told no one, and is closed then
@@ -294,16 +324,27 @@ def compiles_step(model: keras.Model) -> bool:
     return backend == "tensorflow" or (backend == "jax" and bool(getattr(model, "jit_compile", True)))
 
 
+def unread_feeds(model: keras.Model) -> str | None:
+    """Why the values hooks feed into a step (`SessionRunArgs(feed_dict=...)`, read with `hookprof.step_feeds()`)
+    would not reach this model's train step, with the fix; None where they do. A compiled step reads them once,
+    when it is traced, and would see the first step's values on every step."""
+    if not compiles_step(model):
+        return None
+    backend = keras.backend.backend()
+    fix = "run_eagerly=True (model.compile(..., run_eagerly=True))" + (" or jit_compile=False" if backend == "jax"
+                                                                        else "")
+    return (f"feeds each step through hookprof.step_feeds(), but Keras on {backend} compiles the train step (traced "
+            f"once, then replayed): it would read the first step's values on every step. Compile the model with "
+            f"{fix} to feed each step.")
+
+
 def check_feeds(model: keras.Model, hooks: Sequence[SessionRunHook]) -> None:
-    """A `FeedFnHook` feeds each step through `hookprof.step_feeds()`, which a compiled train step reads once,
-    when it is traced: refuse it before the first step rather than feed every step the first step's values."""
+    """A `FeedFnHook` is refused before the first step where the step would not read its feeds (`unread_feeds`);
+    any other hook that feeds is refused at the first step it does (`HookedSession.before_run`)."""
     feeders = [type(hook).__name__ for hook in hooks if isinstance(hook, FeedFnHook)]
-    if feeders and compiles_step(model):
-        raise ValueError(
-            f"{feeders[0]} feeds each step through hookprof.step_feeds(), but Keras on {keras.backend.backend()} "
-            "compiles the train step (traced once, then replayed): it would read the first step's values on every "
-            "step. Compile the model with run_eagerly=True (model.compile(..., run_eagerly=True)) to feed each "
-            "step.")
+    unread = unread_feeds(model) if feeders else None
+    if unread is not None:
+        raise ValueError(f"{feeders[0]} {unread}")
 
 
 def tracer_factory(model: keras.Model) -> TracerFactory:

@@ -32,7 +32,8 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.profilers import PyTorchProfiler
 from typing_extensions import override
 
-from hookprof._runtime.fit_run import on_fit_end
+from hookprof._runtime.fit_run import current_run, on_fit_end
+from hookprof.hooks.adapter import fit_begins, send_home
 from hookprof.hooks.hooked_session import HookedSession, check_hooks
 from hookprof.hooks.identity import SCHEDULE_ATTRIBUTES, check_name, identity, schedule
 from hookprof.hooks.session import Session, StepState, check_reduce
@@ -67,16 +68,45 @@ class LightningSession(Session):
         check_reduce(reduce)
         import torch
 
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            if self._votes is None:
-                self._votes = RankVotes(getattr(self.trainer.strategy, "_timeout", None))
-            counts = self._votes.sum(decisions)
+        votes = self._rank_votes()
+        if votes is not None:
+            counts = votes.sum(decisions)
         else:
             strategy = self.trainer.strategy
             values = torch.tensor([int(bool(decision)) for decision in decisions], device=strategy.root_device)
             counts = strategy.reduce(values, reduce_op="sum").tolist()
         need = 1 if reduce == "any" else self.world_size
         return [count >= need for count in counts]
+
+    def _rank_votes(self) -> RankVotes | None:
+        """The fit's `RankVotes` where torch.distributed runs the strategy, made at the first agreement; None where
+        it does not, or where its group is not gloo (NCCL) and no fit runs here to own the gloo group it would
+        make (a session agreeing outside a fit: the strategy's `reduce` agrees then, and nothing is left behind)."""
+        votes = self._votes
+        if votes is None:
+            import torch.distributed as dist
+
+            if not (dist.is_available() and dist.is_initialized()):
+                return None
+            if cpu_backend(str(dist.get_backend())) == "gloo":
+                votes = RankVotes()
+            elif current_run() is not None:  # (every rank decides alike: each runs its fit's hooks)
+                votes = RankVotes(dist.new_group(backend="gloo", timeout=getattr(self.trainer.strategy, "_timeout",
+                                                                                 None)))
+                on_fit_end(("agreement group", id(votes)), self._drop_votes, votes)
+            else:
+                return None
+            self._votes = votes
+        return votes
+
+    def _drop_votes(self, votes: RankVotes) -> None:
+        """The fit ended: destroy the gloo group made for its agreements (a later one, outside a fit, agrees
+        through the strategy)."""
+        import torch.distributed as dist
+
+        if self._votes is votes:
+            self._votes = None
+        dist.destroy_process_group(votes.group)
 
     def find_step_counter(self) -> None:
         """Training starts: find the counter behind `trainer.global_step` (see `optimizer_step_counter`)."""
@@ -106,22 +136,16 @@ class LightningSession(Session):
 
 class RankVotes:
     """The ranks' 0/1 votes summed: an all-reduce of a CPU tensor on a gloo group, into a buffer kept for each
-    number of votes, so that a step's agreement allocates nothing and never touches a GPU. The group is the
-    fit's default one where it runs gloo for CPU tensors; otherwise (NCCL) a gloo group of all ranks made here
-    (every rank makes it at its first agreement, the same step everywhere) and destroyed when the fit ends.
+    number of votes, so that a step's agreement allocates nothing and never touches a GPU.
 
     Args:
-        timeout: how long a rank waits for the others in a group made here (the strategy's own, `None`: torch's
-            default), so that a rank left waiting fails as the fit's collectives do.
+        group: the gloo group: None, the default one (where it runs gloo for CPU tensors); otherwise (NCCL) one
+            of all ranks that `LightningSession` makes at the fit's first agreement (the same step on every
+            rank, with the strategy's timeout) and destroys when that fit ends.
     """
 
-    def __init__(self, timeout: Any = None) -> None:
-        import torch.distributed as dist
-
-        self._group = None
-        if cpu_backend(str(dist.get_backend())) != "gloo":
-            self._group = dist.new_group(backend="gloo", timeout=timeout)
-            on_fit_end(("agreement group", id(self)), dist.destroy_process_group, self._group)
+    def __init__(self, group: Any = None) -> None:
+        self.group = group
         self._buffers: dict[int, tuple[Any, Any]] = {}  # by length: (the tensor, a numpy view of it)
 
     def sum(self, votes: Sequence[bool]) -> list[int]:
@@ -134,7 +158,7 @@ class RankVotes:
             buffer = self._buffers[len(votes)] = (tensor, tensor.numpy())
         tensor, counts = buffer
         counts[:] = [bool(vote) for vote in votes]
-        torch.distributed.all_reduce(tensor, group=self._group)  # (SUM)
+        torch.distributed.all_reduce(tensor, group=self.group)  # (SUM)
         return counts.tolist()
 
 
@@ -281,6 +305,7 @@ class HookCallback(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
+        fit_begins(self)
         members = [callback for callback in trainer.callbacks if isinstance(callback, HookCallback)]
         if members[0] is not self:
             self._driver = None  # the first one drives this fit's hooks, ours included
@@ -427,8 +452,15 @@ class HookCallback(Callback):
             self._leave()
 
     def _leave(self) -> None:
-        """The fit is over: let go of its trainer and model (a callback kept for its `saved_paths` holds neither)."""
+        """The fit is over: let go of its trainer and model (a callback kept for its `saved_paths` holds neither).
+        Under `ddp_spawn` the fit ran in copies of the callbacks: rank 0's send their hooks' properties to the
+        callbacks the user holds in the process that started the ranks."""
+        session = self._session
         self._driver = self._session = None
+        if session is not None and session.rank == 0:
+            for member in session.trainer.callbacks:
+                if isinstance(member, HookCallback):
+                    send_home(member)
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:

@@ -141,6 +141,14 @@ def phase_us(path, phase):
     return round(sum(e["dur"] for e in events if e.get("cat") == "Span" and e.get("name") == phase))
 
 
+def phase_spans(path):
+    """The step's phase spans in a timeline, in time order: [name, start us, duration us]."""
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    spans = [e for e in events if e.get("cat") == "Span"]
+    return [[e["name"], e["ts"], round(e["dur"])] for e in sorted(spans, key=lambda e: e["ts"])]
+
+
 class FedScale(keras.Sequential):
     """Scales its loss by the fed `scale` and notes each step's value (a Python side effect: seen only when the
     train step runs as Python, i.e. eagerly)."""
@@ -151,6 +159,17 @@ class FedScale(keras.Sequential):
         scale = step_feeds().get("scale", 1.0)
         FedScale.seen.append(float(scale))
         return super().compute_loss(*args, **kwargs) * scale
+
+
+class FeedsFromStep(SessionRunHook):
+    """A user hook that feeds `scale` = the coming step's number through SessionRunArgs, from step `first` on."""
+
+    def __init__(self, first):
+        self.first = first
+
+    def before_run(self, run_context):
+        step = run_context.session.global_step + 1
+        return SessionRunArgs(feed_dict={"scale": float(step)}) if step >= self.first else None
 
 
 def fed_model(**compile_args):
@@ -174,6 +193,19 @@ def configs(out: str) -> None:
                       "forward_us": [phase_us(p, "forward") for p in slow.saved_paths],
                       "steps": probe.steps, "ended": probe.ended}
 
+    # steps_per_execution=4: the call fetches its later batches between its jitted steps, each in a data wait
+    grouped = tiny_model("grouped")
+    grouped.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", steps_per_execution=4)
+    grouped_profiler = Profiler()
+    traced = ProfilerHook(save_steps=4, output_dir=os.path.join(out, "grouped"), tensorboard=False,
+                          profiler=grouped_profiler)
+    x12, y12 = data(8 * 12)
+    grouped.fit(slow_batches(x12, y12), epochs=1, callbacks=[traced], verbose=0)
+    result["grouped"] = {"paths": [os.path.basename(p) for p in traced.saved_paths],
+                         "spans": [phase_spans(p) for p in traced.saved_paths],
+                         "profile": {step: [summary.data_wait_micros, summary.step_micros]
+                                     for (_, step), summary in grouped_profiler.data.steps.items()}}
+
     # jit_compile=False: one warning saying why the ops have no scopes
     eager = tiny_model("eager")
     eager.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", jit_compile=False)
@@ -194,6 +226,20 @@ def configs(out: str) -> None:
     fed_model(run_eagerly=True).fit(x, y, batch_size=8, epochs=1,
                                     callbacks=[FeedFnHook(lambda: {"scale": next(scales)})], verbose=0)
     result["fed_eagerly"] = list(FedScale.seen)
+
+    # a user hook that feeds through SessionRunArgs(feed_dict=...): refused under jit at its first feeding step,
+    # fed each step without jit
+    FedScale.seen.clear()
+    jitted = fed_model()
+    try:
+        jitted.fit(x, y, batch_size=8, epochs=1, callbacks=[HookCallback([FeedsFromStep(2)])], verbose=0)
+    except ValueError as error:
+        result["user_feed_under_jit"] = str(error)
+    result["user_feed_under_jit_iterations"] = int(jitted.optimizer.iterations.numpy())
+    FedScale.seen.clear()
+    fed_model(jit_compile=False).fit(x, y, batch_size=8, epochs=1, callbacks=[HookCallback([FeedsFromStep(2)])],
+                                     verbose=0)
+    result["user_fed_unjitted"] = list(FedScale.seen)
     with open(os.path.join(out, "result.json"), "w") as f:
         json.dump(result, f)
 

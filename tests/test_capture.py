@@ -171,6 +171,24 @@ def test_capture_options_defaults_and_the_hooks_argument(tmp_path):
         ProfilerHook(save_steps=1, capture={"render_worker": False})
 
 
+def test_render_wait_seconds_is_accepted_as_render_stall_seconds_with_a_deprecation_warning(tmp_path):
+    """`render_stall_seconds` was named `render_wait_seconds`: a caller that still passes it gets its value where the
+    new name keeps it, and a DeprecationWarning, pointing at its own line, that names the new one."""
+    with pytest.warns(DeprecationWarning) as caught:
+        options = CaptureOptions(render_wait_seconds=3.0)
+    assert [str(w.message) for w in caught] == [
+        "CaptureOptions(render_wait_seconds=...) is deprecated: it is now named render_stall_seconds "
+        "(CaptureOptions(render_stall_seconds=3.0))."]
+    assert caught[0].filename == __file__
+    assert options.render_stall_seconds == 3.0 and options == CaptureOptions(render_stall_seconds=3.0)
+    hook = ProfilerHook(save_steps=1, output_dir=str(tmp_path), capture=options)
+    assert hook.pipeline.options.render_stall_seconds == 3.0
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="`render_stall_seconds` must be"):
+        CaptureOptions(render_wait_seconds=-1)  # checked as under its new name
+    with pytest.raises(TypeError, match=r"pass render_stall_seconds only \(render_wait_seconds is its old name\)"):
+        CaptureOptions(render_wait_seconds=3.0, render_stall_seconds=4.0)
+
+
 # --- the trigger watch ----------------------------------------------------------------------------------------
 
 def results(loss, batch=1):

@@ -19,7 +19,7 @@ from hookprof.tensorboard.graph import step_graph
 from hookprof.trace import ChromeTraceWriter, xplane
 from hookprof.trace.reader import load_trace
 from hookprof.tracing import xspace
-from hookprof.tracing.coordinator import PhasedExport, _Phases
+from hookprof.tracing.coordinator import PhasedExport, StepPhases
 from hookprof.tracing.dataflow import DataEdge
 from hookprof.tracing.kineto_trace import KinetoExport
 from tests.test_xprof import needs_xprof, rows, tool
@@ -52,7 +52,7 @@ def phased(tmp_path):
     first, last = min(n.start_ns for n in host), max(n.start_ns + n.duration_ns for n in host)
     marks = [("forward", first)] + [(phase, min(n.start_ns for n in host if n.phase == phase))
                                     for phase in ("backward", "optimizer")]
-    stats = PhasedExport(export, _Phases("torch", (first - 2_000_000, first), marks, last)).to_stats()
+    stats = PhasedExport(export, StepPhases("torch", (first - 2_000_000, first), marks, last)).to_stats()
     stats.step = STEP
     return stats
 

@@ -1,5 +1,6 @@
 """A real 2-process Lightning DDP fit on CPU (gloo): per-rank timelines, rank choice, and the merge."""
 
+import json
 import os
 import subprocess
 import sys
@@ -104,3 +105,55 @@ def test_merge_refuses_two_files_of_the_same_rank(ddp_run, tmp_path):
                           capture_output=True, text=True, cwd=REPO, timeout=120)
     assert done.returncode == 2 and "are both rank 0" in done.stderr
     assert not os.path.exists(tmp_path / "m.json")
+
+
+SPAWN_SCRIPT = textwrap.dedent("""
+    import json, os, sys
+    sys.path.insert(0, {repo!r})
+    import lightning as L
+    from lightning_prof import CheckpointSaverHook, FinalOpsHook, ProfilerHook
+    from tests.lightning_models import TinyModel, loader
+
+    def rank(step):
+        return step.session.rank
+
+    def main(out):
+        prof = ProfilerHook(save_steps=2, output_dir=os.path.join(out, "prof"), tensorboard=False)
+        ckpt = CheckpointSaverHook(os.path.join(out, "ckpt"), save_steps=2)
+        final = FinalOpsHook({{"step": "global_step", "rank": rank}})
+        trainer = L.Trainer(strategy="ddp_spawn", devices=2, accelerator="cpu", max_steps=4,
+                            callbacks=[prof, ckpt, final], default_root_dir=out, logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+        before = list(prof.saved_paths)
+        trainer.fit(TinyModel(), loader())
+        result = {{"before": before, "prof": prof.saved_paths, "again": prof.saved_paths, "ckpt": ckpt.saved_paths,
+                   "final": {{key: int(value) for key, value in final.final_ops_values.items()}},
+                   "parent_hook_ran": prof.hook.saved_paths}}
+        with open(os.path.join(out, "result.json"), "w") as f:
+            json.dump(result, f)
+
+    if __name__ == "__main__":  # (spawn runs this file again in each rank)
+        main(sys.argv[1])
+""")
+
+
+def test_ddp_spawn_parent_callbacks_read_what_rank_0_wrote(tmp_path):
+    """Under ddp_spawn the ranks run copies of the callbacks; the callbacks the user holds in the parent report what
+    rank 0's copies ended with (they reported nothing), and the channel leaves nothing in the temp directory."""
+    script = tmp_path / "spawn_fit.py"
+    script.write_text(SPAWN_SCRIPT.format(repo=REPO))
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    done = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=300,
+                          cwd=str(tmp_path), env={**os.environ, "TMPDIR": str(scratch)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["before"] == [] and result["parent_hook_ran"] == []  # the parent's own hooks never ran
+    written = sorted(n for n in os.listdir(tmp_path / "prof") if n.startswith("timeline-"))
+    assert written == ["timeline-2-rank0.json", "timeline-2-rank1.json", "timeline-4-rank0.json",
+                       "timeline-4-rank1.json"]
+    assert result["prof"] == result["again"] == [str(tmp_path / "prof" / f"timeline-{s}-rank0.json") for s in (2, 4)]
+    assert result["ckpt"] == [str(tmp_path / "ckpt" / f"model.ckpt-{s}.ckpt") for s in (0, 2, 4)]
+    assert all(os.path.exists(p) for p in result["prof"] + result["ckpt"])
+    assert result["final"] == {"step": 4, "rank": 0}
+    assert not [n for n in os.listdir(scratch) if n.startswith("hookprof-home-")]

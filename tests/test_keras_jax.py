@@ -206,6 +206,31 @@ def test_a_slow_input_pipeline_shows_as_data_wait_not_forward(jax_configs):
     assert all(0 < forward < 35_000 for forward in slow["forward_us"][1:]), slow
 
 
+def test_steps_per_execution_waits_for_each_batch_in_a_data_wait_of_its_own(jax_configs):
+    """With steps_per_execution=4 Keras fetches a call's later three batches inside the call, between its jitted
+    steps, with no callback: each fetch of the 40 ms generator is a data wait inside the traced call (it was
+    counted as the step's compute), and the Profiler counts all four waits as data wait, not as step time."""
+    grouped = jax_configs[0]["grouped"]
+    phased = 0  # batches whose program ran before the next fetch (or the step's end)
+    assert grouped["paths"] == ["timeline-8.json", "timeline-12.json"]  # (the calls that end at steps 8 and 12)
+    for spans in grouped["spans"]:
+        names = [name for name, _, _ in spans]
+        waits = [dur for name, _, dur in spans if name == "data_wait"]
+        assert len(waits) == 4 and all(wait >= 35_000 for wait in waits), spans  # before the call, then 3 inside
+        train = next((start, dur) for name, start, dur in spans if name.startswith("ProfilerStep#"))
+        inside = [start for name, start, _ in spans if name == "data_wait" and start >= train[0]]
+        assert len(inside) == 3 and all(start < train[0] + train[1] for start in inside)
+        # each batch is a forward pass of its own, then the backward pass and optimizer its ops show before the next
+        # fetch (JAX dispatches a batch's program and may run it during that fetch: its ops, not its phase spans)
+        batches = " ".join(names[names.index("forward"):]).split(" data_wait ")
+        assert len(batches) == 4 and all(batch in ("forward", "forward backward optimizer") for batch in batches)
+        phased += batches.count("forward backward optimizer")
+    assert phased >= 1, grouped["spans"]
+    for step in ("8", "12"):
+        wait, step_us = grouped["profile"][step]
+        assert wait >= 4 * 35_000 and step_us < 35_000, grouped["profile"]
+
+
 def test_a_generator_running_out_ends_the_epoch_and_the_hooks_end(jax_configs):
     """The step that finds the generator empty raises StopIteration inside the train function: Keras ends the epoch
     there, and the fit goes on to its end; the hooks' `end()` ran (it did not: the fit was closed as failed)."""
@@ -225,6 +250,18 @@ def test_feed_fn_hook_is_refused_under_jit_and_feeds_every_step_eagerly(jax_conf
     assert result["feed_under_jit"] == (
         "FeedFnHook feeds each step through hookprof.step_feeds(), but Keras on jax compiles the train step (traced "
         "once, then replayed): it would read the first step's values on every step. Compile the model with "
-        "run_eagerly=True (model.compile(..., run_eagerly=True)) to feed each step.")
+        "run_eagerly=True (model.compile(..., run_eagerly=True)) or jit_compile=False to feed each step.")
     assert result["feed_under_jit_iterations"] == 0  # refused before the first step
     assert result["fed_eagerly"][-6:] == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]  # (Keras' build reads it once before)
+
+
+def test_a_user_hooks_feed_dict_fails_under_jit_at_its_first_feeding_step_and_feeds_without_jit(jax_configs):
+    """A user hook returning SessionRunArgs(feed_dict=...) under jit fed nothing, silently: now the fit fails at the
+    first step the hook feeds, naming the hook and the fix; with jit_compile=False each step reads its feed."""
+    result = jax_configs[0]
+    assert result["user_feed_under_jit"] == (
+        "FeedsFromStep feeds each step through hookprof.step_feeds(), but Keras on jax compiles the train step "
+        "(traced once, then replayed): it would read the first step's values on every step. Compile the model with "
+        "run_eagerly=True (model.compile(..., run_eagerly=True)) or jit_compile=False to feed each step.")
+    assert result["user_feed_under_jit_iterations"] == 1  # step 1 fed nothing and ran; step 2's feed failed
+    assert result["user_fed_unjitted"][-5:] == [2.0, 3.0, 4.0, 5.0, 6.0]  # step 1: no feed, scale 1 (default)

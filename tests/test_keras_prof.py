@@ -260,7 +260,8 @@ def test_a_jax_train_function_given_loaded_batches_gets_them_as_they_are():
             self.started += 1
 
     seen = []
-    fit = types.SimpleNamespace(ended=False, driver=Driver(), fetches_in_step=True, close=lambda: None)
+    fit = types.SimpleNamespace(ended=False, driver=Driver(), fetches_in_step=True, close=lambda: None,
+                                session=types.SimpleNamespace(steps_per_run=1))
     watch = _TrainStepWatch(lambda state, data: seen.append(data) or "ran", fit)
     batches = [("x", "y")]
     assert watch("state", batches) == "ran" and seen == [batches]

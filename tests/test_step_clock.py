@@ -24,7 +24,7 @@ JAX_SCRIPT = textwrap.dedent("""
     import numpy as np
     import keras
     from hookprof import SessionRunHook
-    from keras_prof import HookCallback, ProfilerHook, StopAtStepHook
+    from keras_prof import HookCallback, ProfilerHook, StepCounterHook, StopAtStepHook
     out = sys.argv[1]
     rng = np.random.default_rng(0)
     x, y = rng.standard_normal((104, 8)).astype("float32"), rng.standard_normal((104, 1)).astype("float32")
@@ -37,7 +37,8 @@ JAX_SCRIPT = textwrap.dedent("""
 
     traced = model()  # 12 batches an epoch, 3 train-function calls of 4 steps; 24 steps in 2 epochs
     hook = ProfilerHook(save_steps=8, output_dir=os.path.join(out, "prof"))
-    traced.fit(x[:96], y[:96], batch_size=8, epochs=2, callbacks=[hook], verbose=0)
+    counter = StepCounterHook(every_n_steps=8, output_dir=os.path.join(out, "counter"))
+    traced.fit(x[:96], y[:96], batch_size=8, epochs=2, callbacks=[hook, counter], verbose=0)
     stopped = model()
     stopped.fit(x[:96], y[:96], batch_size=8, epochs=4, callbacks=[StopAtStepHook(last_step=12)], verbose=0)
     class Clock(SessionRunHook):  # the global step hooks see, after each step
@@ -60,7 +61,8 @@ def test_keras_steps_per_execution_traces_and_stops_on_the_optimizers_steps(tmp_
     than 1): the global step advances 4 a call, and the schedule and the stop follow it."""
     script = tmp_path / "fit.py"
     script.write_text(JAX_SCRIPT)
-    env = {**os.environ, "KERAS_BACKEND": "jax", "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO}
+    path = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)  # (a checkout's hookprof first)
+    env = {**os.environ, "KERAS_BACKEND": "jax", "JAX_PLATFORMS": "cpu", "PYTHONPATH": path}
     done = subprocess.run([sys.executable, str(script), str(tmp_path)], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -68,6 +70,13 @@ def test_keras_steps_per_execution_traces_and_stops_on_the_optimizers_steps(tmp_
     assert result["backend"] == "jax" and result["traced_steps"] == 24
     assert result["paths"] == ["timeline-8.json", "timeline-16.json", "timeline-24.json"]
     assert result["stopped_at"] == 12
+    # the step counter's first step only starts the count (step 4), then every 8 steps: 12 and 20 (it judged the
+    # coming step as one more than the last, and counted at 16 only)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    counter = EventAccumulator(str(tmp_path / "counter"), size_guidance={"tensors": 0})
+    counter.Reload()
+    assert [e.step for e in counter.Tensors("global_step/sec")] == [12, 20], counter.Tags()
     # a call of one batch (an epoch's last) advances the step by one: the hooks' step stays the optimizer's
     iterations, seen = result["uneven"]
     assert iterations == 26 and seen == [4, 8, 12, 13, 17, 21, 25, 26]

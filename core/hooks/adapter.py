@@ -5,7 +5,9 @@ class's `__init__` has the hook's own signature (names, order, defaults, annotat
 `inspect.signature`, LightningCLI and jsonargparse see them), less the arguments the framework decides itself,
 plus the framework's own keyword-only ones (Lightning's `name=`). It makes the hook (`callback.hook`) and hands it
 to the framework's `HookCallback`, which runs it; the hook's public properties (`saved_paths`, ...) are the
-callback's too. An argument added to a hook thus appears in both adapters without being written there again.
+callback's too (after a fit that ran in copies of the callback in other processes, Lightning's `ddp_spawn`,
+they read what rank 0's copy ended with: `send_home`). An argument added to a hook thus appears in both adapters
+without being written there again.
 
 What a framework adds to every callback is an `Adapter`: its `HookCallback` class, the defaults it chooses
 (`output_dir=None`: the framework's run directory), how its writers become what hooks take (a Lightning
@@ -25,6 +27,7 @@ import builtins
 import dataclasses
 import importlib
 import inspect
+import logging
 import re
 import subprocess
 import sys
@@ -33,6 +36,10 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import ModuleType
 from typing import Any
+
+from hookprof._runtime.sent_home import SentHome
+
+log = logging.getLogger(__name__)
 
 _EMPTY = inspect.Parameter.empty
 _KEYWORD_ONLY = inspect.Parameter.KEYWORD_ONLY
@@ -119,6 +126,7 @@ def callback_class(hook_class: type, adapter: Adapter, doc: str, *, parent: type
         if prepare is not None:
             arguments = self._hook_arguments(arguments)
         hook = self.hook = hook_class(**arguments, **fixed)
+        self._home = SentHome()  # where a copy of this callback in another process sends its hook's properties
         for method, value in adapter.supply.items():
             if hasattr(hook, method):
                 getattr(hook, method)(value)
@@ -154,10 +162,36 @@ def _check_parent(parent: type, base: type) -> None:
 
 def _read_through(key: str) -> Callable[[Any], Any]:
     def read(self: Any) -> Any:
-        return getattr(self.hook, key)
+        sent = self._home.received()
+        return sent[key] if key in sent else getattr(self.hook, key)
 
     read.__name__ = key
     return read
+
+
+def send_home(callback: Any) -> None:
+    """A fit ends in a copy of `callback` that another process made and pickled here (a rank that Lightning's
+    `ddp_spawn` started): its hook's public properties (`saved_paths`, counters, ...) go to the callback there,
+    whose properties then read them (`hookprof._runtime.sent_home`). Nothing for a callback in its own process."""
+    made = getattr(type(callback), "_made_from", None)
+    home = getattr(callback, "_home", None)
+    if made is None or home is None or not home.away:
+        return
+    values = {}
+    for key in made.properties:
+        try:
+            values[key] = getattr(callback.hook, key)
+        except Exception as error:  # (a property that fails is not sent: the home reads its own)
+            log.debug("%s.%s is not sent home: %s", type(callback).__name__, key, error)
+    home.send(values)
+
+
+def fit_begins(callback: Any) -> None:
+    """A fit begins with `callback`: where this is its own process, its properties read its hook again, not what a
+    copy in another process sent before."""
+    home = getattr(callback, "_home", None)
+    if home is not None:
+        home.forget()
 
 
 def _own_parameters(base: type) -> list[inspect.Parameter]:

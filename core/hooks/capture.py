@@ -22,6 +22,7 @@ import socket
 import tempfile
 import time
 import traceback
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -89,9 +90,17 @@ class CaptureOptions:
     max_pending_writes: int = 2
     write_grace_seconds: float = 0.05
     profile_tab: bool = True
+    # `render_stall_seconds`' name before: accepted with a DeprecationWarning, and not kept (not a field)
+    render_wait_seconds: dataclasses.InitVar[float | None] = None
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, render_wait_seconds: float | None = None) -> None:
         owner = type(self).__name__
+        if render_wait_seconds is not None:
+            if self.render_stall_seconds != CaptureOptions.render_stall_seconds:
+                raise TypeError(f"{owner}(): pass render_stall_seconds only (render_wait_seconds is its old name).")
+            warnings.warn(f"{owner}(render_wait_seconds=...) is deprecated: it is now named render_stall_seconds "
+                          f"({owner}(render_stall_seconds={render_wait_seconds!r})).", DeprecationWarning, stacklevel=3)
+            object.__setattr__(self, "render_stall_seconds", render_wait_seconds)
         arguments.check_bool(owner, "render_worker", self.render_worker)
         arguments.check_seconds(owner, "render_timeout_seconds", self.render_timeout_seconds)
         arguments.check_seconds(owner, "render_stall_seconds", self.render_stall_seconds)

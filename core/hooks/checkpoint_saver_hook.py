@@ -24,6 +24,7 @@ from hookprof._runtime import arguments
 from hookprof._runtime.atomic_file import atomic_write, remove_stale_temps
 from hookprof._runtime.background import count_dropped
 from hookprof.hooks.periodic_hook import PeriodicHook
+from hookprof.hooks.session import coming_step
 from hookprof.hooks.timer import check_exactly_one
 from hookprof.summary import to_numpy
 
@@ -209,8 +210,7 @@ class CheckpointSaverHook(PeriodicHook):
             self._save(session, step)  # (TF ignores a listener's stop request here)
 
     def quiet_on(self, global_step: int) -> bool:
-        return not self._timer.should_trigger_for_step(
-            global_step + getattr(self._session, "steps_per_run", 1))  # (steps_per_run, without its call: every step)
+        return not self._timer.should_trigger_for_step(coming_step(self._session, global_step))
 
     def after_run(self, run_context, run_values) -> None:
         # (where the ranks agree, the timer is due only inside `agreed`: the save happens there, on every rank)

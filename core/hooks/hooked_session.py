@@ -186,6 +186,9 @@ class HookedSession:
                 raise TypeError(f"{type(hook).__name__}.before_run returned SessionRunArgs(feed_dict="
                                 f"{type(request.feed_dict).__name__}); feed_dict must be a dict of name -> value.")
             if request.feed_dict:
+                unread = getattr(session, "feeds_unread", None)
+                if unread:
+                    raise ValueError(f"{type(hook).__name__} {unread}")
                 _merge_feeds(feeds, request.feed_dict, original_args.feed_dict or {}, type(hook).__name__)
             if request.options is not None:
                 if options is None:

@@ -17,6 +17,7 @@ from hookprof._runtime import arguments
 from hookprof._runtime.atomic_file import remove_stale_temps
 from hookprof.hooks.capture import CaptureOptions, CapturePipeline
 from hookprof.hooks.periodic_hook import PeriodicHook
+from hookprof.hooks.session import coming_step
 from hookprof.hooks.session_run_hook import RunOptions, SessionRunArgs, TraceLevel
 from hookprof.hooks.trigger_watch import CaptureWindow, TriggerWatch
 from hookprof.profiler.profiler import Profiler
@@ -214,7 +215,7 @@ class ProfilerHook(PeriodicHook):
         `timer` (default: the schedule's)."""
         timer = timer or self._timer
         return (self._writes_here and timer.last_triggered_step() is not None
-                and timer.should_trigger_for_step(global_step + self._run_steps()))
+                and timer.should_trigger_for_step(coming_step(self._session, global_step)))
 
     def before_run(self, run_context) -> SessionRunArgs | None:
         self._due = self._traces_step(run_context.session.global_step)
@@ -231,8 +232,7 @@ class ProfilerHook(PeriodicHook):
     def quiet_on(self, global_step: int) -> bool:
         timer = self._timer  # (_traces_step spelled out: this runs on every step the hook does not trace)
         return not self.watch.watching and timer.last_triggered_step() is not None and not (
-            self._writes_here and timer.should_trigger_for_step(
-                global_step + getattr(self._session, "steps_per_run", 1)))  # (_run_steps, without its calls)
+            self._writes_here and timer.should_trigger_for_step(coming_step(self._session, global_step)))
 
     # --- under DDP: which steps are traced is one decision for all ranks -------------------------------------
 

@@ -29,6 +29,10 @@ class Session:
     # by the driver before the hooks' `after_create_session`. Then a hook that `votes` acts on what `agreed`
     # says, never on what its own rank sees alone; False in one process.
     agreeing = False
+    # Why values fed into a step (`SessionRunArgs(feed_dict=...)`) would not reach it, and the fix, as the words
+    # after a hook's name ("feeds each step ..., but ..."); None where they do. Keras with a compiled train step
+    # sets it: a hook that feeds then fails at the first step it does, instead of feeding nothing silently.
+    feeds_unread: str | None = None
 
     def __init__(self, model: Any = None, rank: int = 0, world_size: int = 1) -> None:
         self.model = model
@@ -178,3 +182,10 @@ def evaluate_fetches(fetches: Any, state: StepState) -> Any:
 def steps_per_run(session: Any) -> int:
     """The global steps a step of `session` advances (1 for a session that does not say, or none yet)."""
     return getattr(session, "steps_per_run", 1)
+
+
+def coming_step(session: Any, global_step: int) -> int:
+    """The global step that a step of `session` starting at `global_step` reaches (TF's `global_step +
+    steps_per_run`): what a schedule or a stop judges the coming step by. One attribute read, no other call: the
+    hooks' `quiet_on` run it on every step."""
+    return global_step + getattr(session, "steps_per_run", 1)

@@ -12,6 +12,7 @@ import numpy as np
 from hookprof._runtime import arguments, distribution
 from hookprof._runtime.background import count_dropped
 from hookprof._runtime.warn_once import WarnOnce
+from hookprof.hooks.session import coming_step, steps_per_run
 from hookprof.hooks.session_run_hook import SessionRunHook
 from hookprof.hooks.timer import SecondOrStepTimer
 
@@ -80,7 +81,7 @@ class StepCounterHook(SessionRunHook):
 
             as_event_sink(summary_writer)  # a wrong kind of writer fails here, before training
         self._summary_tag = "global_step/sec"
-        self._steps_per_run = 1  # TF's steps_per_run: one global step per step under both adapters
+        self._session: Any = None  # the fit's session: what one step advances the global step by (steps_per_run)
         self._sink: Any = None
         self._events_dir: str | None = None
         self._writes_here = True
@@ -114,11 +115,12 @@ class StepCounterHook(SessionRunHook):
         self._stale_global_step = None
 
     def after_create_session(self, session: Any, coord: Any) -> None:
+        self._session = session
         self._writes_here = getattr(session, "rank", 0) == 0
 
     def quiet_on(self, global_step: int) -> bool:
         # After_run acts when the timer fires for this step, or to warn about a global step that did not move.
-        if self._timer.should_trigger_for_step(global_step + self._steps_per_run):
+        if self._timer.should_trigger_for_step(coming_step(self._session, global_step)):
             return False
         return not (global_step == self._last_global_step and self._stuck_warnings < _STUCK_WARNINGS)
 
@@ -133,10 +135,10 @@ class StepCounterHook(SessionRunHook):
     def after_run(self, run_context, run_values) -> None:
         stale_global_step = self._stale_global_step
         if stale_global_step is None:  # (a driver that skipped before_run: take the step as one global step)
-            stale_global_step = run_context.session.global_step - self._steps_per_run
+            stale_global_step = run_context.session.global_step - steps_per_run(run_context.session)
         self._stale_global_step = None
         timer = self._timer
-        if timer.should_trigger_for_step(stale_global_step + self._steps_per_run):
+        if timer.should_trigger_for_step(coming_step(run_context.session, stale_global_step)):
             global_step = run_context.session.global_step  # the real value after the step
             if timer.should_trigger_for_step(global_step):
                 elapsed_time, elapsed_steps = timer.update_last_triggered_step(global_step)
@@ -184,7 +186,9 @@ class StepCounterHook(SessionRunHook):
         self.close()
 
     def close(self) -> None:
-        """Flush and let go of the event stream (at `end()`, and when training fails before it)."""
+        """Flush and let go of the event stream and the fit's session (at `end()`, and when training fails before
+        it)."""
+        self._session = None
         sink, self._sink = self._sink, None
         if sink is not None:
             try:

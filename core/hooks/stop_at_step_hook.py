@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from hookprof._runtime import arguments
-from hookprof.hooks.session import steps_per_run
+from hookprof.hooks.session import coming_step
 from hookprof.hooks.session_run_hook import SessionRunArgs, SessionRunHook
 
 
@@ -65,9 +65,9 @@ class StopAtStepHook(SessionRunHook):
 
     def quiet_on(self, global_step: int) -> bool:
         # TF's after_run looks at the real global step only when the stale one plus the steps a run advances
-        # (TF's steps_per_run: Keras' steps_per_execution) reaches the last step; read inline: every step
+        # (TF's steps_per_run: Keras' steps_per_execution) reaches the last step
         last = self._last_step
-        return last is not None and global_step + getattr(self._session, "steps_per_run", 1) < last
+        return last is not None and coming_step(self._session, global_step) < last
 
     def end(self, session: Any) -> None:
         self.close()
@@ -88,7 +88,7 @@ class StopAtStepHook(SessionRunHook):
         last = self._last_step
         if last is None or self._stale_step is None:
             return
-        if self._stale_step + steps_per_run(run_context.session) >= last:
+        if coming_step(run_context.session, self._stale_step) >= last:
             # the step may or may not have advanced the global step: check the latest value, as TF does
             if run_context.session.global_step >= last:
                 run_context.request_stop()

@@ -9,6 +9,7 @@ from typing import Any
 from hookprof._runtime import arguments, distribution
 from hookprof._runtime.background import count_dropped
 from hookprof.hooks.periodic_hook import PeriodicHook
+from hookprof.hooks.session import coming_step
 from hookprof.hooks.session_run_hook import SessionRunArgs
 from hookprof.summary import MergedSummary, Scaffold, SummaryError, as_merged
 from hookprof.tensorboard.events import add_session_start, add_summary, as_event_sink
@@ -111,8 +112,8 @@ class SummarySaverHook(PeriodicHook):
     def quiet_on(self, global_step: int) -> bool:
         timer = self._timer
         return not (self._sink is not None and self._writes_here and (
-            timer.last_triggered_step() is None or timer.should_trigger_for_step(
-                global_step + getattr(self._session, "steps_per_run", 1))))  # (steps_per_run, inline: every step)
+            timer.last_triggered_step() is None or timer.should_trigger_for_step(coming_step(self._session,
+                                                                                      global_step))))
 
     def before_run(self, run_context) -> SessionRunArgs | None:
         self._due = not self.quiet_on(run_context.session.global_step)

@@ -111,9 +111,10 @@ class NodeData:
 
 @dataclasses.dataclass
 class StepSummary:
-    """Per traced step, for the advisor: its span, data wait, op busy time, what traced it, and per device the
-    allocator's bytes in use at its end (`allocated`: after the step's last allocation or free; empty where
-    the step was traced without memory)."""
+    """Per traced step, for the advisor: its span less the data waits inside it (`step_micros`), its data waits
+    (before it, and between its batches under accumulation or `steps_per_execution`), op busy time, what traced
+    it, and per device the allocator's bytes in use at its end (`allocated`: after the step's last allocation or
+    free; empty where the step was traced without memory)."""
 
     step: int
     step_micros: float = 0.0
@@ -328,11 +329,17 @@ def _accelerator_micros(stats: StepStats) -> dict[int, float]:
 
 def _step_summary(step: int, rank: int, stats: StepStats, ops: list[NodeExecStats]) -> StepSummary:
     spans = {n.op: n for dev in stats.dev_stats for n in dev.node_stats if n.category == fmt.CAT_SPAN}
+    waits = [n for dev in stats.dev_stats for n in dev.node_stats
+             if n.category == fmt.CAT_SPAN and n.op == fmt.DATA_WAIT]
     summary = StepSummary(step, rank=rank)
     _add_collectives(summary, stats)
+    # the data waits: before the step, and inside it between its batches (accumulation, steps_per_execution);
+    # the step's own time is its span less those inside it
+    summary.data_wait_micros += sum(wait.duration_ns for wait in waits) / 1000
     train = spans.get(fmt.TRAIN_STEP)
     if train is not None:
-        summary.step_micros += train.duration_ns / 1000
+        inside = sum(wait.duration_ns for wait in waits if wait.start_ns >= train.start_ns)
+        summary.step_micros += max(0, train.duration_ns - inside) / 1000
         # busy: the union of op intervals over the host's threads (on CUDA the backward runs on autograd's
         # device thread while the step's thread waits for it); gaps: what is left
         intervals = sorted((n.start_ns, n.start_ns + n.duration_ns) for n in ops)
@@ -345,9 +352,6 @@ def _step_summary(step: int, rank: int, stats: StepStats, ops: list[NodeExecStat
                 busy += end - max(start, cursor)
                 cursor = end
         summary.busy_micros += busy / 1000
-    wait = spans.get(fmt.DATA_WAIT)
-    if wait is not None:
-        summary.data_wait_micros += wait.duration_ns / 1000
     for dev in stats.dev_stats:
         kernel_time = sum(n.duration_ns for n in dev.node_stats if n.category == fmt.CAT_KERNEL)
         if kernel_time:

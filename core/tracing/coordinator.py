@@ -215,7 +215,7 @@ class StepTraceCoordinator:
                 current.metadata = RunMetadata()
                 return current.metadata
 
-            phases = _Phases(current.tracer.name, current.data_wait, list(current.marks), end_ns)
+            phases = StepPhases(current.tracer.name, current.data_wait, list(current.marks), end_ns)
 
             def make_step_stats() -> StepStats | None:
                 try:
@@ -246,8 +246,16 @@ class StepTraceCoordinator:
 
 
 @dataclasses.dataclass
-class _Phases:
-    """What the coordinator adds to a traced step's stats: the tracer's name and the step's phase spans."""
+class StepPhases:
+    """What the coordinator adds to a traced step's stats: the tracer's name and the step's phase spans. Public:
+    a `PhasedExport` carries one (to the render worker), and a step recorded elsewhere is phased with one.
+
+    Attributes:
+        tracer: the tracer's name (`metadata["tracer"]`, unless the stats name one).
+        data_wait: (start, end) ns of the wait before the step, or None (a run's first step).
+        marks: (phase, ns) where each phase began, the step's start first (`("step", ns)` or its first phase).
+        end_ns: the step's end.
+    """
 
     tracer: str
     data_wait: tuple[int, int] | None
@@ -266,7 +274,7 @@ class PhasedExport:
     picklable, for the render worker (`hookprof._runtime.worker`)."""
 
     exported: Any
-    phases: _Phases
+    phases: StepPhases
 
     def to_stats(self) -> StepStats:
         return self.phases.add_to(self.exported.to_stats())
@@ -307,7 +315,7 @@ def _add_phase_spans(stats: StepStats, data_wait: tuple[int, int] | None, marks:
         spans.append((fmt.DATA_WAIT, *data_wait))
     step_start = marks[0][1]
     spans.append((fmt.TRAIN_STEP, step_start, end_ns))
-    spans += _phase_spans(step_start, marks[1:] or _phases_seen(stats, step_start, end_ns), end_ns)
+    spans += _phase_spans(step_start, _with_phases_seen(stats, step_start, marks[1:], end_ns), end_ns)
     loops = [(start, stop) for name, start, stop in spans if name == fmt.VALIDATION]
     if loops:  # a validation run inside the step (an accumulation window): its ops are no forward pass of it
         for node in host.node_stats:
@@ -330,6 +338,22 @@ def _phase_spans(step_start: int, marks: list[tuple[str, int]], end_ns: int) -> 
         phases.insert(0, ("forward", step_start))
     return [(name, start, phases[i + 1][1] if i + 1 < len(phases) else end_ns)
             for i, (name, start) in enumerate(phases)]
+
+
+def _with_phases_seen(stats: StepStats, step_start: int, marks: list[tuple[str, int]],
+                      end_ns: int) -> list[tuple[str, int]]:
+    """The step's marks, and where the framework marks no backward pass or optimizer (Keras), the phases its ops
+    show, in each batch of the step: from the step's start, or a later batch's (a MICRO_BATCH mark: Keras on JAX
+    marks the data waits between the batches of one `steps_per_execution` call), to the next mark."""
+    if any(name in _COMPUTE_MARKS for name, _ in marks):
+        return marks
+    seen = []
+    for start in [step_start] + [at for name, at in marks if name == MICRO_BATCH]:
+        seen += _phases_seen(stats, start, min((at for _, at in marks if at > start), default=end_ns))
+    return sorted(marks + seen, key=lambda mark: mark[1]) if marks else seen
+
+
+_COMPUTE_MARKS = frozenset({"backward", "after_backward", "optimizer"})  # what a framework that marks them marks
 
 
 def _phases_seen(stats: StepStats, step_start: int, step_end: int) -> list[tuple[str, int]]:
