@@ -225,6 +225,50 @@ def _fit_run_order():
     assert isinstance(run, FitRun) and run.closed
 
 
+def test_a_fits_end_reads_the_threads_frames_once_for_every_open_fit_it_sweeps(monkeypatch):
+    """Fits open in other threads, each named by the frame of its fit call: the one whose call has returned
+    (a failed fit that told no one) is closed by the next fit to end, the running ones are left open, and that
+    sweep reads every thread's frames (`sys._current_frames()`, which walks all threads) once, not once a fit."""
+    import sys
+
+    runs, closed, ready, go_on = {}, [], threading.Barrier(4), threading.Event()
+
+    def fit(name, returns):
+        def wait():
+            ready.wait(30)
+            go_on.wait(30)
+
+        def fit_call():  # (the framework's fit call: the run counts as open while it runs)
+            runs[name] = open_run(fit_frame=sys._getframe())
+            runs[name].on_end("stop", closed.append, name)
+            if not returns:
+                wait()
+
+        fit_call()
+        if returns:
+            wait()  # (its thread lives on; its fit call has returned)
+
+    threads = [threading.Thread(target=contextvars.Context().run, args=(fit, name, name == "failed"))
+               for name in ("failed", "a", "b")]
+    for thread in threads:
+        thread.start()
+    reads = []
+    try:
+        ready.wait(30)
+        real = sys._current_frames
+        monkeypatch.setattr(sys, "_current_frames", lambda: reads.append(1) or real())
+        contextvars.Context().run(lambda: close_run(open_run()))
+        monkeypatch.undo()
+        assert closed == ["failed"] and not runs["a"].closed and not runs["b"].closed
+        assert len(reads) == 1
+    finally:
+        go_on.set()
+        for thread in threads:
+            thread.join(30)
+        for run in runs.values():
+            close_run(run)
+
+
 def test_the_jax_compile_listener_is_registered_for_a_fit_only():
     jax = pytest.importorskip("jax")
     from jax._src import monitoring

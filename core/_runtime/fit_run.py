@@ -39,15 +39,16 @@ class FitRun:
         # the framework's fit call, by identity only (holding the frame would keep the fit's locals alive)
         self._frame = None if fit_frame is None else (id(fit_frame), fit_frame.f_code)
 
-    def running(self) -> bool:
-        """Whether the fit may still run: its thread lives and, if its frame was named, has it on its stack."""
+    def running(self, frames: dict[int, FrameType] | None = None) -> bool:
+        """Whether the fit may still run: its thread lives and, if its frame was named, has it on its stack.
+        `frames`: each thread's current frame (`sys._current_frames()`), where the caller took them already."""
         thread = self._thread
         if not thread.is_alive():
             return False
         if self._frame is None:
             return True
         frame_id, code = self._frame
-        frame = sys._current_frames().get(thread.ident)
+        frame = (sys._current_frames() if frames is None else frames).get(thread.ident)
         while frame is not None:
             if id(frame) == frame_id and frame.f_code is code:
                 return True
@@ -103,7 +104,10 @@ def close_run(run: FitRun) -> bool:
         _CURRENT.set(None)
     with _OPENING:
         _OPEN.discard(run)
-        ended = [other for other in _OPEN if not other.running()]  # (failed fits that told no one)
+        # (failed fits that told no one; every thread's frames taken once for the sweep, and only if needed)
+        frames = sys._current_frames() if any(other._frame is not None for other in _OPEN) else None
+        ended = [other for other in _OPEN if not other.running(frames)]
+        del frames  # (other threads' frames: not kept while the ended runs close)
         _OPEN.difference_update(ended)
         alone = not _OPEN
     for other in ended:
