@@ -515,9 +515,10 @@ class CapturePipeline:
             rendered = worker.WORKER.call(render_step, exported, self.writer, job.spec,
                                           timeout=self.options.render_timeout_seconds,
                                           stall=self.options.render_stall_seconds)
-            on_mismatch = getattr(exported, "on_mismatch", None)  # (the worker's copy of the step has none)
-            if rendered.dataflow_missing is not None and on_mismatch is not None:
-                on_mismatch(rendered.dataflow_missing)
+            # (the worker's copy of the step could not tell the tracer its identities did not fit: told here)
+            report = getattr(exported, "report_mismatch", None)
+            if rendered.dataflow_missing is not None and report is not None:
+                report(rendered.dataflow_missing)
             return rendered
         except worker.WorkerFailed as err:
             count_dropped(self._counts)
