@@ -161,15 +161,15 @@ def test_a_step_to_borrow_from_that_was_converted_elsewhere_does_not_count_towar
 
 
 class HeldAtTheEnd(L.Callback):
-    """At the fit's end, before the ProfilerHook's (placed before it): its steps flushed, the fits whose
-    templates the process converting its steps holds."""
+    """At the fit's end, before the ProfilerHook's (placed before it): its steps flushed, what the process
+    converting its steps holds for fits (`held()`: their tokens, or a dict by token)."""
 
     def __init__(self, hook, held):
         self.hook, self.held, self.fits = hook, held, None
 
     def on_train_end(self, trainer, pl_module):
         assert self.hook.saved_paths  # (waits for every traced step to be converted)
-        self.fits = set(self.held())
+        self.fits = self.held()
 
 
 @pytest.mark.parametrize("render_worker", [True, False], ids=["worker", "in-process"])
@@ -185,7 +185,7 @@ def test_a_fit_s_template_goes_when_the_fit_ends(tmp_dir, render_worker):
         probe = HeldAtTheEnd(hook, held)
         before = set(held()) if render_worker and worker.WORKER.answered else set(TEMPLATES.tokens())
         trainer(tmp_dir, [probe, hook], 5).fit(TinyModel(), loader())
-        mine = probe.fits - before
+        mine = set(probe.fits) - before
         assert len(mine) == 1  # the fit's template, while it ran
         assert not mine & set(held())
         assert render_worker == (worker.WORKER._process is not None)
