@@ -16,7 +16,7 @@ import torch
 
 from hookprof._runtime import worker
 from hookprof._runtime.background import drain_all
-from hookprof._runtime.fit_run import FitRun, close_run, on_fit_end, open_run
+from hookprof._runtime.fit_run import FitRun, close_run, fit_call, on_fit_end, open_run
 from keras_prof import HookCallback as KerasHookCallback
 from keras_prof import ProfilerHook as KerasProfilerHook
 from keras_prof.hook_callback import _TrainStepWatch
@@ -238,13 +238,13 @@ def test_a_fits_end_reads_the_threads_frames_once_for_every_open_fit_it_sweeps(m
             ready.wait(30)
             go_on.wait(30)
 
-        def fit_call():  # (the framework's fit call: the run counts as open while it runs)
-            runs[name] = open_run(fit_frame=sys._getframe())
+        def framework_fit():  # (the framework's fit call: the run counts as open while it runs)
+            runs[name] = open_run(fit_call=fit_call(sys._getframe()))
             runs[name].on_end("stop", closed.append, name)
             if not returns:
                 wait()
 
-        fit_call()
+        framework_fit()
         if returns:
             wait()  # (its thread lives on; its fit call has returned)
 
