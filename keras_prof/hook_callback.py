@@ -28,6 +28,7 @@ from typing import Any
 
 import keras
 
+from hookprof._runtime.fit_run import fit_call
 from hookprof._runtime.warn_once import WarnOnce
 from hookprof.hooks.feed_fn_hook import FeedFnHook
 from hookprof.hooks.hooked_session import HookedSession, check_hooks
@@ -195,9 +196,13 @@ class _Fit:
         self.ended = False  # end() or close() ran: its watch, if still on the model, only calls through
         self.fetches_in_step = keras.backend.backend() == "jax"  # train_function(state, iterator): `WaitedBatches`
         self._closing = threading.Lock()
-        # which `Model.fit` call this is (see `running`); when its callback list goes, the call has ended: one
-        # that failed outside its steps (another callback's on_epoch_end) told no one, and is closed then
-        self._callbacks = _fit_callbacks(model, on_gone=self._call_ended)
+        # which `Model.fit` call this is (see `running`), found once: its callback list (weakly) and the call;
+        # when the list goes, the call has ended: one that failed outside its steps (another callback's
+        # on_epoch_end) told no one, and is closed then
+        frame = _fit_frame(model)
+        self._callbacks = _callbacks_of(frame, on_gone=self._call_ended)
+        self._call = fit_call(frame) if self._callbacks is not None else None
+        del frame  # (held, it would keep the fit's locals alive)
         function = getattr(model, "train_function", None)
         if isinstance(function, _TrainStepWatch) and not function.fit.running():
             # left by a fit that failed outside a step (Keras told no one); a fit running around this one
@@ -213,7 +218,7 @@ class _Fit:
         """Whether this fit's `Model.fit` call is still running on this thread's stack (one that failed has left
         it, though a traceback may keep its frame)."""
         callbacks = self._callbacks() if self._callbacks is not None else None
-        return callbacks is not None and _fit_callbacks(self.model, callbacks) is not None
+        return callbacks is not None and _fit_frame(self.model, callbacks) is not None
 
     def start(self, leader: HookCallback) -> HookedSession:
         """The first batch (or the end of a fit that ran none): `begin` and `after_create_session` for every
@@ -231,9 +236,8 @@ class _Fit:
         for member in self.members:
             member._follows = member is not leader
         leader._driver, leader._session = self.driver, self.session
-        callbacks = self._callbacks() if self._callbacks is not None else None
-        # (a fit that fails outside its step tells no callback: its run ends with this frame)
-        self.driver.begin(_fit_frame(self.model, callbacks) if callbacks is not None else None)
+        # (a fit that fails outside its step tells no callback: its run ends with its `Model.fit` call)
+        self.driver.begin(self._call)
         self.driver.after_create_session(self.session)
         return self.driver
 
@@ -279,12 +283,11 @@ class _Fit:
             member._fit, member._driver, member._session, member._follows = None, None, None, False
 
 
-def _fit_callbacks(model: keras.Model, wanted: Any = None,
-                   on_gone: Callable[[weakref.ref], Any] | None = None) -> weakref.ref | None:
-    """A weak reference to the `CallbackList` of the innermost `model.fit` on this thread's stack (the one
-    `wanted`, if given), or None (a weak one: a failed fit's traceback must not keep more of it alive);
-    `on_gone` is called when the list is freed."""
-    frame = _fit_frame(model, wanted)
+def _callbacks_of(frame: FrameType | None, on_gone: Callable[[weakref.ref], Any] | None = None
+                  ) -> weakref.ref | None:
+    """A weak reference to the `CallbackList` of the `model.fit` call running in `frame` (`_fit_frame`), or None
+    (a weak one: a failed fit's traceback must not keep more of it alive); `on_gone` is called when the list is
+    freed."""
     if frame is None:
         return None
     try:

@@ -4,6 +4,7 @@ planted problem (a float64 layer, an `.item()` in forward, a slow DataLoader), a
 import re
 import time
 
+import lightning as L
 import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
@@ -50,13 +51,33 @@ class SleepyData(Dataset):
         return torch.randn(8), torch.randn(1)
 
 
+class ConvertedBeforeTheNextStep(L.Callback):
+    """Waits at the end of each traced step until the hook has converted it (into the Profiler: on its background
+    thread, holding the GIL most of the time). Steps of milliseconds left it running three steps later, inside
+    the data waits the input checker reads: on a loaded machine its GIL turns stretched those waits."""
+
+    def __init__(self, hook, every):
+        self.hook, self.every = hook, every
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step % self.every == 0:
+            assert self.hook.saved_paths  # (waits for the traced step to be converted and written)
+
+
 def fit_and_advise(model, tmp_path, capsys, data=None):
-    """Trace every 4th step of a 16-step fit into a Profiler (each traced step follows untraced ones, long after
-    the last traced step's conversion: the input checker's evidence, which needs 3 such steps); return it, its
-    advice, and what advise() printed."""
+    """Trace every 4th step of a 16-step fit into a Profiler; return it, its advice, and what advise() printed.
+
+    Each traced step follows untraced ones, after the last traced step's conversion: the input checker's
+    evidence (it needs 3 such steps), which reads the wall time from one step's end to the next one's start. So
+    nothing but the batch and the loop runs there: no conversion (`ConvertedBeforeTheNextStep`) and no logger
+    writing every step's metrics (`log_every_n_steps=1`). With them, a healthy model's steps waited 10-60 ms
+    each on a loaded machine (load 7-9 on 2 cores; about 0.5 ms idle) and were reported as an input stall: 3 fits
+    of 3 at load 7; at load 9, with the conversion waited for, 5 of this file's 12 tests in two runs; with
+    neither, none in four runs."""
     prof = Profiler(model)
     hook = ProfilerHook(save_steps=4, profiler=prof, output_dir=str(tmp_path), tensorboard=False, with_stack=True)
-    trainer(str(tmp_path), [hook], 16).fit(model, data or loader())
+    settled = ConvertedBeforeTheNextStep(hook, 4)
+    trainer(str(tmp_path), [hook, settled], 16, logger=False).fit(model, data or loader())
     capsys.readouterr()  # drop the fit's own output
     advice = prof.advise()
     printed = capsys.readouterr().out

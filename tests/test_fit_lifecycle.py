@@ -16,7 +16,7 @@ import torch
 
 from hookprof._runtime import worker
 from hookprof._runtime.background import drain_all
-from hookprof._runtime.fit_run import FitRun, close_run, on_fit_end, open_run
+from hookprof._runtime.fit_run import FitRun, close_run, fit_call, on_fit_end, open_run
 from keras_prof import HookCallback as KerasHookCallback
 from keras_prof import ProfilerHook as KerasProfilerHook
 from keras_prof.hook_callback import _TrainStepWatch
@@ -223,6 +223,50 @@ def _fit_run_order():
     assert order == ["b", "a"]
     assert on_fit_end("d", order.append, "d") is False
     assert isinstance(run, FitRun) and run.closed
+
+
+def test_a_fits_end_reads_the_threads_frames_once_for_every_open_fit_it_sweeps(monkeypatch):
+    """Fits open in other threads, each named by the frame of its fit call: the one whose call has returned
+    (a failed fit that told no one) is closed by the next fit to end, the running ones are left open, and that
+    sweep reads every thread's frames (`sys._current_frames()`, which walks all threads) once, not once a fit."""
+    import sys
+
+    runs, closed, ready, go_on = {}, [], threading.Barrier(4), threading.Event()
+
+    def fit(name, returns):
+        def wait():
+            ready.wait(30)
+            go_on.wait(30)
+
+        def framework_fit():  # (the framework's fit call: the run counts as open while it runs)
+            runs[name] = open_run(fit_call=fit_call(sys._getframe()))
+            runs[name].on_end("stop", closed.append, name)
+            if not returns:
+                wait()
+
+        framework_fit()
+        if returns:
+            wait()  # (its thread lives on; its fit call has returned)
+
+    threads = [threading.Thread(target=contextvars.Context().run, args=(fit, name, name == "failed"))
+               for name in ("failed", "a", "b")]
+    for thread in threads:
+        thread.start()
+    reads = []
+    try:
+        ready.wait(30)
+        real = sys._current_frames
+        monkeypatch.setattr(sys, "_current_frames", lambda: reads.append(1) or real())
+        contextvars.Context().run(lambda: close_run(open_run()))
+        monkeypatch.undo()
+        assert closed == ["failed"] and not runs["a"].closed and not runs["b"].closed
+        assert len(reads) == 1
+    finally:
+        go_on.set()
+        for thread in threads:
+            thread.join(30)
+        for run in runs.values():
+            close_run(run)
 
 
 def test_the_jax_compile_listener_is_registered_for_a_fit_only():

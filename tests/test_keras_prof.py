@@ -139,6 +139,20 @@ def test_exception_in_a_step_no_after_run_no_end_profiler_stopped_and_next_fit_t
     assert "aten::relu" in [e["name"] for e in op_events(load_trace(again.saved_paths[0]))]
 
 
+def test_a_fit_walks_the_stack_once_to_find_its_model_fit_call(tmp_dir, monkeypatch):
+    """Which `Model.fit` call a fit is (its callback list, and the call its run ends with if it fails without
+    telling its callbacks) is found in one walk up the stack when the fit begins, however many hookprof
+    callbacks it has: not again at its first step."""
+    from keras_prof import hook_callback
+
+    walks, real = [], hook_callback._fit_frame
+    monkeypatch.setattr(hook_callback, "_fit_frame", lambda *args: walks.append(args) or real(*args))
+    recorder = RecordingHook()
+    fit(model(), [ProfilerHook(save_steps=2, output_dir=tmp_dir), HookCallback([recorder])], epochs=1)
+    assert timeline_steps(tmp_dir) == [2, 4, 6] and recorder.names()[-1] == "end"
+    assert len(walks) == 1
+
+
 def test_resume_continues_from_the_optimizer_iterations(tmp_dir):
     m = model()
     first = ProfilerHook(save_steps=4, output_dir=tmp_dir)

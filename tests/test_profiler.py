@@ -708,6 +708,63 @@ def test_a_nodes_figures_at_a_step_see_the_ranks_and_steps_added_after_the_last_
     assert node.ran_at(2) and node.figures(2)[MICROS] == 6 and node.figures(-1)[MICROS] == 6
 
 
+def test_a_profile_saved_loaded_and_merged_reads_as_the_same_steps_added_to_one_profile():
+    """Steps of two ranks added (read between the adds), saved, loaded and merged with later steps (one of them
+    a step the loaded profile holds for the other rank only): each step's views, figures and diffs read as one
+    profile given every step by add_step. A node's steps change only through `add` (serialize's loads too),
+    which keeps their index by global step."""
+    from hookprof.step_stats import NodeExecStats
+
+    def step(micros, extra=False):
+        stats = one_step(micros)
+        if extra:  # an op the other steps lack (the diff's "only in" rows)
+            stats.device("/host:CPU").node_stats.append(NodeExecStats("net/out/aten::add", "aten::add", 7000,
+                                                                      2000, 1, "net/out"))
+        return stats
+
+    def profile(steps):
+        prof = Profiler()
+        for number, micros, rank in steps:
+            prof.add_step(number, step(micros, extra=number == 3), rank=rank)
+            assert prof.data.nodes["net/fc/aten::mm"].ran_at(number)  # (read between the adds)
+        return prof
+
+    early = [(1, 4, 0), (1, 8, 1), (2, 6, 1)]
+    late = [(2, 10, 0), (3, 5, 0), (3, 7, 1), (1, 2, 1)]  # (rank 0's step 2, rank 1's step 1 again)
+    whole, saved = profile(early + late), profile(early)
+    loaded = Profiler.load(saved.serialize_to_string())
+    loaded.merge(profile(late))
+    for number in (-1, 1, 2, 3):
+        for view in ("profile_operations", "profile_name_scope"):
+            opts = quiet({"step": number, "select": ["micros", "occurrence"]})
+            assert getattr(loaded, view)(opts).text == getattr(whole, view)(opts).text, (view, number)
+        for name, node in whole.data.nodes.items():
+            mine = loaded.data.nodes[name]
+            assert (mine.figures(number), mine.ran_at(number)) == (node.figures(number), node.ran_at(number))
+    for a, b in ((1, 2), (2, 3), (1, 3)):
+        assert loaded.diff(a, b, quiet({})).text == whole.diff(a, b, quiet({})).text
+    assert loaded.serialize_to_string() == whole.serialize_to_string()
+    node = loaded.data.nodes["net/fc/aten::mm"]
+    assert node.figures(2)[MICROS] == 8  # the mean of rank 0's 10 (merged in) and rank 1's 6 (loaded)
+    with pytest.raises(TypeError):
+        node.steps[(0, 4)] = [1.0] * 9  # (only `add` adds a step)
+
+
+def test_a_profile_file_naming_a_nodes_step_twice_is_refused():
+    """`N` and `N@0` are the same step of rank 0: a file giving both is malformed (loading took the last one)."""
+    import orjson
+
+    prof = Profiler()
+    prof.add_step(1, one_step(4))
+    blob = prof.serialize_to_string()
+    doc = orjson.loads(zlib.decompress(blob[len(MAGIC) + 12:]))
+    steps = doc["nodes"][0]["steps"]
+    steps["1@0"] = steps["1"]
+    payload = orjson.dumps(doc)
+    with pytest.raises(ProfileFormatError, match="step '1@0' is given twice"):
+        Profiler.load(MAGIC + struct.pack("<IQ", 1, len(payload)) + zlib.compress(payload))
+
+
 class KeepsATensor(TinyModel):
     """Each step allocates a tensor it keeps past the step's end (an initialiser's randn kept as a weight) and
     one it frees within the step."""

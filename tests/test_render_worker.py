@@ -137,6 +137,61 @@ class KillingHook(profiler_hook.ProfilerHook):
         monkeypatch.setattr(worker, "_send_within", send_then_kill)
 
 
+class HoldingPipeline(CapturePipeline):
+    """Holds the render of step `hold` (until a later step is dropped for it), and times how long each traced
+    step waited for its turn at the render worker, and whether it got it."""
+
+    hold = None
+
+    def save(self, job):
+        self.saving = job.step  # (the background thread saves one step at a time)
+        super().save(job)
+
+    def render_elsewhere(self, job, exported):
+        if job.step == self.hold:
+            self.release.wait(60)
+        return super().render_elsewhere(job, exported)
+
+    def _render_turn(self, budget):
+        start = time.monotonic()
+        turn = super()._render_turn(budget)
+        self.waits[self.saving] = (time.monotonic() - start, turn)
+        if not turn:
+            self.release.set()
+        return turn
+
+
+class HoldingHook(profiler_hook.ProfilerHook):
+    pipeline_class = HoldingPipeline
+
+    def __init__(self, hold, **kwargs):
+        super().__init__(**kwargs)
+        self.pipeline.hold, self.pipeline.release, self.pipeline.waits = hold, threading.Event(), {}
+
+
+def test_a_traced_step_waits_the_floor_at_least_for_the_previous_steps_render_before_it_is_dropped(tmp_path,
+                                                                                                   caplog):
+    """A tiny model's traced step costs milliseconds; one whose turn comes while the worker still renders the
+    previous step waits RENDER_WAIT_FLOOR_SECONDS at least (a loaded machine's scheduling delays are longer
+    than its cost), not only its cost, and then is dropped: counted, said once."""
+    from hookprof.hooks.capture import RENDER_WAIT_FLOOR_SECONDS
+
+    out = tmp_path / "prof"
+    hook = HoldingHook(3, save_steps=1, output_dir=str(out))
+    try:
+        with caplog.at_level(logging.WARNING):
+            trainer(str(tmp_path), [HookCallback([hook])], max_steps=5).fit(TinyModel(), loader())
+    finally:
+        hook.pipeline.release.set()
+    waited, turn = hook.pipeline.waits[4]  # (step 3's render held: the worker had answered step 2's)
+    assert not turn and RENDER_WAIT_FLOOR_SECONDS <= waited < RENDER_WAIT_FLOOR_SECONDS + 5
+    assert hook.pipeline.waits[3][1]  # (its turn came: step 2's render was not held)
+    written = {int(p.name.split("-")[1].split(".")[0]) for p in out.glob("timeline-*.json")}
+    assert {2, 3} <= written and 4 not in written and hook.dropped_outputs >= 1
+    busy = [r.getMessage() for r in caplog.records if "was still rendering the previous" in r.getMessage()]
+    assert len(busy) == 1 and "step 4 has no timeline" in busy[0]
+
+
 class WideModel(TinyModel):
     """TinyModel with more layers: 300 make a step of some 15k events, whose rendering takes a few hundred ms."""
 

@@ -111,6 +111,38 @@ def test_a_step_whose_ops_differ_gets_no_arrows_and_its_timeline_says_why(tmp_di
             assert DATAFLOW_MISSING not in trace["metadata"], step
 
 
+class FitIdentities(L.Callback):
+    """Keeps the fit's tensor identities (`_Identities`: what counts the steps that could not borrow)."""
+
+    identities = None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        from hookprof.tracing import fit_traces
+
+        self.identities = self.identities or fit_traces()._tracer_state.get("torch_identities")
+
+
+@pytest.mark.parametrize("profiler", [False, True], ids=["worker", "worker-and-in-process"])
+def test_a_step_whose_ops_differ_is_counted_once_however_many_hooks_convert_it(tmp_dir, profiler):
+    """Two ProfilerHooks write every traced step (each converts it: in the render worker, or, with a Profiler,
+    in the training process): the short batch's step is counted once toward giving borrowing up, not once a
+    conversion (two counts a step turned borrowing off after two such steps instead of GIVE_UP)."""
+    from hookprof.profiler import Profiler
+
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(36, 8, generator=g), torch.randn(36, 1, generator=g))
+    batches = [list(range(i, i + 8)) for i in range(0, 24, 8)] + [[24, 25, 26, 27]] + [list(range(28, 36))]
+    hooks = [ProfilerHook(save_steps=1, output_dir=f"{tmp_dir}/a", show_memory=True, name="a"),
+             ProfilerHook(save_steps=1, output_dir=f"{tmp_dir}/b", show_memory=True, name="b",
+                          profiler=Profiler() if profiler else None)]
+    probe = FitIdentities()
+    trainer(tmp_dir, [*hooks, probe], len(batches)).fit(TinyModel(), DataLoader(data, batch_sampler=batches))
+    for hook in hooks:  # both wrote the short batch's step, without arrows, and said why
+        trace = load_trace(next(p for p in hook.saved_paths if p.endswith("-4.json")))
+        assert "differs from the step" in trace["metadata"][DATAFLOW_MISSING]
+    assert probe.identities.mismatches == 1
+
+
 def test_a_step_to_borrow_from_that_was_converted_elsewhere_does_not_count_toward_giving_up():
     """A restarted render worker has no template: the next traced step walks its tree again, but only steps
     whose ops differed count toward GIVE_UP (three restarts turned borrowing off for the rest of the fit)."""
@@ -129,15 +161,15 @@ def test_a_step_to_borrow_from_that_was_converted_elsewhere_does_not_count_towar
 
 
 class HeldAtTheEnd(L.Callback):
-    """At the fit's end, before the ProfilerHook's (placed before it): its steps flushed, the fits whose
-    templates the process converting its steps holds."""
+    """At the fit's end, before the ProfilerHook's (placed before it): its steps flushed, what the process
+    converting its steps holds for fits (`held()`: their tokens, or a dict by token)."""
 
     def __init__(self, hook, held):
         self.hook, self.held, self.fits = hook, held, None
 
     def on_train_end(self, trainer, pl_module):
         assert self.hook.saved_paths  # (waits for every traced step to be converted)
-        self.fits = set(self.held())
+        self.fits = self.held()
 
 
 @pytest.mark.parametrize("render_worker", [True, False], ids=["worker", "in-process"])
@@ -153,7 +185,7 @@ def test_a_fit_s_template_goes_when_the_fit_ends(tmp_dir, render_worker):
         probe = HeldAtTheEnd(hook, held)
         before = set(held()) if render_worker and worker.WORKER.answered else set(TEMPLATES.tokens())
         trainer(tmp_dir, [probe, hook], 5).fit(TinyModel(), loader())
-        mine = probe.fits - before
+        mine = set(probe.fits) - before
         assert len(mine) == 1  # the fit's template, while it ran
         assert not mine & set(held())
         assert render_worker == (worker.WORKER._process is not None)

@@ -1,6 +1,7 @@
 """TensorBoard's Graphs dashboard: the traced step's graph and step_N run metadata, read back with
 TensorBoard's own EventAccumulator, and the same step built node by node through TensorBoard's protos."""
 
+import contextvars
 import logging
 import os
 import types
@@ -22,6 +23,7 @@ from hookprof.tracing.dataflow import DataEdge
 from lightning_prof import HookCallback, ProfilerHook
 from tests.conftest import RecordingHook
 from tests.lightning_models import TinyModel, loader, trainer
+from tests.test_step_identity import HeldAtTheEnd
 
 # TensorFlow's DataType numbers (tensorflow/core/framework/types.proto), independent of graph.py's table
 TF_DTYPES = {"float32": 1, "float64": 2, "int32": 3, "uint8": 4, "int16": 5, "int8": 6, "complex64": 8, "int64": 9,
@@ -144,6 +146,45 @@ def test_a_run_gets_its_step_graph_once_while_it_stays_the_same(tmp_dir, caplog)
                                      graph_digest=digest))
     graphs = [e.graph_def for e in job.events.events if e.HasField("graph_def")]
     assert graphs == [b"a", b"b", b"a"] and len(job.events.events) == 7  # a changed graph is written again
+
+
+def graph_names_here():
+    """{run token: how many graph names it keeps} in this process (the render worker runs it too)."""
+    from hookprof.hooks.capture import GRAPH_NAMES
+
+    return {token: len(GRAPH_NAMES.recall(token).named) for token in GRAPH_NAMES.tokens()}
+
+
+@pytest.mark.parametrize("render_worker", [True, False], ids=["worker", "in-process"])
+def test_each_fit_keeps_its_own_step_graph_names_until_it_ends(tmp_dir, render_worker):
+    """The graph names a fit's traced steps repeat are kept from one step to the next by that fit's renders
+    (`GRAPH_NAMES`, by the run's token, in the render worker or in the training process), not by the process:
+    two fits of the same model each have their own, and each fit's go when it ends."""
+    from hookprof import HookedSession, ManualSession, SessionRunHook
+    from hookprof._runtime import worker
+    from hookprof.hooks.capture import CaptureOptions
+    from hookprof.tracing import HostTracer
+
+    def held():
+        return worker.WORKER.call(graph_names_here) if render_worker else graph_names_here()
+
+    other, context = HookedSession([SessionRunHook()], HostTracer), contextvars.Context()
+    context.run(other.begin)  # a fit in another thread: the worker outlives these
+    runs = []
+    try:
+        for fit in range(2):
+            out = os.path.join(tmp_dir, str(fit))
+            hook = ProfilerHook(save_steps=1, output_dir=out, capture=CaptureOptions(render_worker=render_worker))
+            probe = HeldAtTheEnd(hook, held)
+            before = set(held()) if not render_worker or worker.WORKER.answered else set()
+            trainer(out, [probe, hook], 4).fit(TinyModel(), loader())
+            (mine,) = set(probe.fits) - before  # the fit's own, while it ran: the names of its steps' ops
+            assert probe.fits[mine] > 10
+            assert mine not in held()  # gone once the fit ended
+            runs.append(mine)
+    finally:
+        context.run(other.end, ManualSession())
+    assert runs[0] != runs[1]
 
 
 def test_tensorboard_false_writes_no_event_file(tmp_dir):

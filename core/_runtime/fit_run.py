@@ -22,32 +22,34 @@ import sys
 import threading
 import weakref
 from collections.abc import Callable
-from types import FrameType
+from types import CodeType, FrameType
 from typing import Any
 
 log = logging.getLogger(__name__)
+
+FitCall = tuple[int, CodeType]  # the framework's fit call: its frame's id and code (see `fit_call`)
 
 
 class FitRun:
     """Stops registered by what a fit started, run once, newest first, when the fit ends."""
 
-    def __init__(self, traces: Any = None, fit_frame: FrameType | None = None) -> None:
+    def __init__(self, traces: Any = None, fit_call: FitCall | None = None) -> None:
         self._stops: list[tuple[Any, Callable[..., Any], tuple[Any, ...]]] = []
         self.closed = False
         self.traces = traces  # the fit's step trace coordinator (`hookprof.tracing.fit_traces()`)
         self._thread = threading.current_thread()
-        # the framework's fit call, by identity only (holding the frame would keep the fit's locals alive)
-        self._frame = None if fit_frame is None else (id(fit_frame), fit_frame.f_code)
+        self._frame = fit_call
 
-    def running(self) -> bool:
-        """Whether the fit may still run: its thread lives and, if its frame was named, has it on its stack."""
+    def running(self, frames: dict[int, FrameType] | None = None) -> bool:
+        """Whether the fit may still run: its thread lives and, if its frame was named, has it on its stack.
+        `frames`: each thread's current frame (`sys._current_frames()`), where the caller took them already."""
         thread = self._thread
         if not thread.is_alive():
             return False
         if self._frame is None:
             return True
         frame_id, code = self._frame
-        frame = sys._current_frames().get(thread.ident)
+        frame = (sys._current_frames() if frames is None else frames).get(thread.ident)
         while frame is not None:
             if id(frame) == frame_id and frame.f_code is code:
                 return True
@@ -74,6 +76,12 @@ class FitRun:
                 log.exception("hookprof could not stop %r at the end of the fit", stop)
 
 
+def fit_call(frame: FrameType) -> FitCall:
+    """The framework's fit call running in `frame`, by identity only (holding the frame would keep the fit's
+    locals alive): what `open_run` is given to judge whether the fit still runs."""
+    return id(frame), frame.f_code
+
+
 _CURRENT: contextvars.ContextVar[FitRun | None] = contextvars.ContextVar("hookprof_fit_run", default=None)
 
 
@@ -81,14 +89,14 @@ _OPEN: weakref.WeakSet[FitRun] = weakref.WeakSet()  # the runs open in any conte
 _OPENING = threading.Lock()
 
 
-def open_run(traces: Any = None, fit_frame: FrameType | None = None) -> FitRun:
+def open_run(traces: Any = None, fit_call: FitCall | None = None) -> FitRun:
     """A new run, current from now on in this context (a run still open here is closed first); `traces`: the
-    fit's step trace coordinator; `fit_frame`: the frame of the framework's fit call, where the driver knows
-    it (the run counts as open no longer than that frame runs)."""
+    fit's step trace coordinator; `fit_call`: the framework's fit call (`fit_call(frame)`), where the driver
+    knows it (the run counts as open no longer than that call runs)."""
     previous = _CURRENT.get()
     if previous is not None:
         close_run(previous)
-    run = FitRun(traces, fit_frame)
+    run = FitRun(traces, fit_call)
     with _OPENING:
         _OPEN.add(run)
     _CURRENT.set(run)
@@ -103,7 +111,10 @@ def close_run(run: FitRun) -> bool:
         _CURRENT.set(None)
     with _OPENING:
         _OPEN.discard(run)
-        ended = [other for other in _OPEN if not other.running()]  # (failed fits that told no one)
+        # (failed fits that told no one; every thread's frames taken once for the sweep, and only if needed)
+        frames = sys._current_frames() if any(other._frame is not None for other in _OPEN) else None
+        ended = [other for other in _OPEN if not other.running(frames)]
+        del frames  # (other threads' frames: not kept while the ended runs close)
         _OPEN.difference_update(ended)
         alone = not _OPEN
     for other in ended:

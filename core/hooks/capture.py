@@ -22,13 +22,16 @@ import socket
 import tempfile
 import time
 import traceback
+import uuid
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hookprof._runtime import arguments, distribution, worker
 from hookprof._runtime.atomic_file import atomic_write
 from hookprof._runtime.background import BACKGROUND, RENDERS, WRITES, BackgroundJob, count_dropped
+from hookprof._runtime.by_fit import ByFit
+from hookprof._runtime.fit_run import on_fit_end
 from hookprof._runtime.warn_once import WarnOnce
 from hookprof.hooks.trigger_watch import CaptureWindow
 from hookprof.step_stats import DeviceStepStats, NodeExecStats, StepStats
@@ -38,6 +41,9 @@ from hookprof.trace import xplane
 from hookprof.trace.writer import ChromeTraceWriter
 from hookprof.tracing import HOST_DEVICE
 from hookprof.tracing.step_identity import DATAFLOW_MISSING
+
+if TYPE_CHECKING:
+    from hookprof.tensorboard.graph import GraphNames
 
 # ProfilerHook's logger: its messages ("Saving timeline ...") stay where users set ProfilerHook's level.
 log = logging.getLogger("hookprof.hooks.profiler_hook")
@@ -224,6 +230,7 @@ class RenderSpec:
     tag: str
     events: bool  # whether to build the TensorBoard step graph and run metadata
     profile_host: str | None = None  # the host name of the step's XSpace for the Profile tab; None: none
+    fit: str | None = None  # the token of the run whose renders keep what they repeat (`GRAPH_NAMES`); None: none
 
 
 @dataclasses.dataclass
@@ -274,7 +281,8 @@ def render_step(source: Any, writer: ChromeTraceWriter, spec: RenderSpec) -> Ren
         try:
             from hookprof.tensorboard import graph as tensorboard_graph
 
-            events = tensorboard_graph.run_metadata_events(stats, spec.tag, spec.step)
+            names = None if spec.fit is None else GRAPH_NAMES.setdefault(spec.fit, tensorboard_graph.GraphNames)
+            events = tensorboard_graph.run_metadata_events(stats, spec.tag, spec.step, names)
         except ImportError:
             rendered.events_error = NO_TENSORBOARD
         except Exception:  # a bug of ours must not end the training run
@@ -296,6 +304,10 @@ def render_step(source: Any, writer: ChromeTraceWriter, spec: RenderSpec) -> Ren
         rendered.xspace_seconds = time.perf_counter() - start
     return rendered
 
+
+# Where this process renders steps (the render worker, or the training process without one), the step graph's
+# names of each run whose steps it rendered, kept for the run's next steps until its fit ends (see `begin`)
+GRAPH_NAMES: ByFit[GraphNames] = ByFit("graph names")
 
 RECENT_STEPS_THREAD_ID = 1  # the host pseudo-thread of a trigger's window (the step phases' is 0)
 
@@ -334,7 +346,8 @@ class Job:
     __slots__ = ("step", "rank", "run_metadata", "path", "output_dir", "events", "spec")
 
     def __init__(self, step: int, run_metadata: Any, session: Any, path: str, output_dir: str | None, events: Any,
-                 capture: CaptureWindow | None, skipped: int = 0, profile_tab: bool = False) -> None:
+                 capture: CaptureWindow | None, skipped: int = 0, profile_tab: bool = False,
+                 fit: str | None = None) -> None:
         rank, world_size = getattr(session, "rank", 0), getattr(session, "world_size", 1)
         self.step, self.rank = step, rank
         self.run_metadata = run_metadata
@@ -358,7 +371,7 @@ class Job:
         host = socket.gethostname() if world_size == 1 else f"{socket.gethostname()}_rank{rank}"
         profile_host = host if profile_tab and events is not None and output_dir is not None else None
         self.spec = RenderSpec(step, run_metadata.step, metadata, distributed, capture, tag, events is not None,
-                               profile_host)
+                               profile_host, fit)
 
 
 class CapturePipeline:
@@ -388,6 +401,7 @@ class CapturePipeline:
         self._writes: collections.deque[BackgroundJob] = collections.deque()  # on the disk's worker, in order
         # a sink's last step graph (see `store`): (id of the sink, which lives as long as the run, digest)
         self._last_graph: tuple[int, bytes] | None = None
+        self._fit: str | None = None  # the run's token (see `begin`)
         self.skipped_traces = 0  # steps due to be traced while max_pending_writes files waited for the disk
         self.skipped_since_file = 0  # of those, the ones no file's metadata has reported yet
 
@@ -411,6 +425,10 @@ class CapturePipeline:
         self._run_paths.clear()
         self.profile_retention.reset()
         self._last_graph = None  # (a new run's sink gets its graph)
+        # what this run's renders keep from one step to the next, where they run (`GRAPH_NAMES`): the fit's, gone
+        # when it ends (outside a fit, nothing is kept)
+        token = uuid.uuid4().hex
+        self._fit = token if on_fit_end(("graph names", token), GRAPH_NAMES.release, token) else None
 
     def room_to_write(self) -> bool:
         """Whether fewer than max_pending_writes of this pipeline's rendered steps wait for the disk, after giving
@@ -443,7 +461,8 @@ class CapturePipeline:
         none). Converting the step's events and writing them costs as much as torch's profiler stop: it runs on
         the background thread while training goes on (see hookprof._runtime.background)."""
         skipped, self.skipped_since_file = self.skipped_since_file, 0
-        job = Job(step, run_metadata, session, path, output_dir, events, capture, skipped, self.options.profile_tab)
+        job = Job(step, run_metadata, session, path, output_dir, events, capture, skipped, self.options.profile_tab,
+                  self._fit)
         self.start_worker()  # (its imports run while the background thread has kineto export the step)
         self._pending = BACKGROUND.submit(lambda: self.save(job))
         if self.profiler is not None:
@@ -524,9 +543,10 @@ class CapturePipeline:
             rendered = worker.WORKER.call(render_step, exported, self.writer, job.spec,
                                           timeout=self.options.render_timeout_seconds,
                                           stall=self.options.render_stall_seconds)
-            on_mismatch = getattr(exported, "on_mismatch", None)  # (the worker's copy of the step has none)
-            if rendered.dataflow_missing is not None and on_mismatch is not None:
-                on_mismatch(rendered.dataflow_missing)
+            # (the worker's copy of the step could not tell the tracer its identities did not fit: told here)
+            report = getattr(exported, "report_mismatch", None)
+            if rendered.dataflow_missing is not None and report is not None:
+                report(rendered.dataflow_missing)
             return rendered
         except worker.WorkerFailed as err:
             count_dropped(self._counts)

@@ -17,12 +17,11 @@ import contextvars
 import dataclasses
 import logging
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
-from types import FrameType
 from typing import Any
 
 from hookprof._runtime import worker
 from hookprof._runtime.background import drain_all
-from hookprof._runtime.fit_run import FitRun, close_run, open_run
+from hookprof._runtime.fit_run import FitCall, FitRun, close_run, open_run
 from hookprof.hooks.agreement import Ballot
 from hookprof.hooks.session import Session, StepState, evaluate_fetches
 from hookprof.hooks.session_run_hook import (
@@ -130,10 +129,11 @@ class HookedSession:
         checks = [getattr(hook, "quiet_on", None) for hook in self.hooks]
         self._quiet_checks = checks if all(callable(check) for check in checks) else None
 
-    def begin(self, fit_frame: FrameType | None = None) -> None:
-        """`begin()` for every hook; `fit_frame`: the frame of the framework's fit call, where the adapter knows
-        it (a fit that fails without telling its callbacks is judged ended once that frame is gone)."""
-        self._run = open_run(self._traces, fit_frame)
+    def begin(self, fit_call: FitCall | None = None) -> None:
+        """`begin()` for every hook; `fit_call`: the framework's fit call (`hookprof._runtime.fit_run.fit_call`),
+        where the adapter knows it (a fit that fails without telling its callbacks is judged ended once that call
+        has returned)."""
+        self._run = open_run(self._traces, fit_call)
         self._traces.new_run()
         for hook in self.hooks:
             hook.begin()

@@ -23,6 +23,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import re
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
 from hookprof.naming import parameter_scopes
@@ -54,8 +56,9 @@ def parse_frame(frame: str) -> tuple[str, str, int]:
 
 @dataclasses.dataclass
 class NodeData:
-    """One node across steps. `steps` maps a step to its figures (see the positions above); `memory_device` is
-    the device of the memory it allocated (`/device:CUDA:0` for an op run on the host), if it allocated any."""
+    """One node across steps. `steps` maps a step (rank, global step) to its figures (see the positions above),
+    added with `add`; `memory_device` is the device of the memory it allocated (`/device:CUDA:0` for an op run
+    on the host), if it allocated any."""
 
     name: str
     op: str
@@ -68,42 +71,39 @@ class NodeData:
     inputs: list[str] = dataclasses.field(default_factory=list)  # producer node names
     stack: list[str] = dataclasses.field(default_factory=list)
     params: int = 0
-    steps: dict[StepKey, list[float]] = dataclasses.field(default_factory=dict)
     memory_device: str = ""  # where its allocations live (ops run on the host, their tensors may not)
-    # `steps`' keys by global step, and how many keys it was built from: keys are only ever added, so a count
-    # that differs from `len(steps)` means new keys (built again on the next read)
-    _by_step: tuple[int, dict[int, list[StepKey]]] = dataclasses.field(
-        default=(0, {}), init=False, repr=False, compare=False)
+    # its figures by (rank, global step), written by `add` alone (`steps` reads them), which keeps `_at`, the same
+    # keys by global step, in step with them
+    _steps: dict[StepKey, list[float]] = dataclasses.field(default_factory=dict, init=False, repr=False)
+    _at: dict[int, list[StepKey]] = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
 
-    def _keys_at(self, step: int) -> list[StepKey]:
-        count, index = self._by_step
-        if count != len(self.steps):
-            index = {}
-            for key in self.steps:
-                index.setdefault(key[1], []).append(key)
-            self._by_step = (len(self.steps), index)
-        return index.get(step, [])
+    @property
+    def steps(self) -> Mapping[StepKey, list[float]]:
+        """Its figures by (rank, global step), read-only: steps are added with `add`."""
+        return MappingProxyType(self._steps)
 
     def figures(self, step: int) -> list[float]:
         """Figures at `step` (the mean over the ranks that traced it), or (step -1) the mean over the steps this
         node ran in; parameters have no steps."""
-        if not self.steps:
+        steps = self._steps
+        if not steps:
             return [0.0] * N_FIGURES
-        rows = list(self.steps.values()) if step < 0 else [self.steps[key] for key in self._keys_at(step)]
+        rows = list(steps.values()) if step < 0 else [steps[key] for key in self._at.get(step, ())]
         if len(rows) <= 1:
             return rows[0] if rows else [0.0] * N_FIGURES
         return [sum(values) / len(rows) for values in zip(*rows)]
 
     def ran_at(self, step: int) -> bool:
         """Whether this node ran at global step `step` (on any rank; step -1: at any step)."""
-        return bool(self.steps) and (step < 0 or bool(self._keys_at(step)))
+        return bool(self._steps) and (step < 0 or step in self._at)
 
     def add(self, key: StepKey, figures: list[float]) -> None:
         """Add `figures` (one execution's, or a merged profile's step) to step `key`'s: counts, times and bytes
         add up, the peak is the larger."""
-        mine = self.steps.get(key)
+        mine = self._steps.get(key)
         if mine is None:
-            self.steps[key] = [float(value) for value in figures]
+            self._steps[key] = [float(value) for value in figures]
+            self._at.setdefault(key[1], []).append(key)
             return
         for i, value in enumerate(figures):
             mine[i] = max(mine[i], value) if i == PEAK else mine[i] + value

@@ -151,7 +151,8 @@ def _from_doc(doc: Any) -> ProfileData:
             _check(key is not None, f"node {i}: step {step!r} is not a step number (N, or N@rank)")
             _check(isinstance(figures, list) and len(figures) == N_FIGURES and all(map(_number, figures)),
                    f"node {i}: step {step} must hold {N_FIGURES} numbers")
-            node.steps[key] = [float(v) for v in figures]
+            _check(key not in node.steps, f"node {i}: step {step!r} is given twice (as N and as N@0, say)")
+            node.add(key, figures)
         _check(node.name not in data.nodes, f"node {node.name!r} appears twice")
         data.nodes[node.name] = node
     for i, raw in enumerate(steps):

@@ -123,12 +123,25 @@ def _output_key(node: Any) -> tuple:
     return tuple((t.dtype, tuple(t.shape), t.nbytes) for t in node.outputs)
 
 
-class _Names:
-    """Graph names of a step's nodes, as UTF-8: `node_graph_name`, made per scope and per leaf name (a step
-    repeats both: `Sequential/3` holds a few dozen ops, `aten::addmm` runs in every layer), and kept for the
-    next steps (`_NAMED`): a fit's traced steps repeat their node names."""
+class GraphNames:
+    """Graph names of nodes and their NodeDef.name field, by (node name, phase) (a pure function of the two), kept
+    from one of a fit's traced steps for the next ones, which repeat their node names (a third of the step
+    graph's cost at 20k ops): its owner passes it to each step's `graph_and_run_metadata` (the fit's renders:
+    `hookprof.hooks.capture`). Emptied past `MAX` names (a 57k-op step's fit; a few MB)."""
+
+    MAX = 1 << 16
 
     def __init__(self) -> None:
+        self.named: dict[tuple[str, str], tuple[bytes, bytes]] = {}
+
+
+class _Names:
+    """Graph names of a step's nodes, as UTF-8: `node_graph_name`, made per scope and per leaf name (a step
+    repeats both: `Sequential/3` holds a few dozen ops, `aten::addmm` runs in every layer), and kept in
+    `named` (a `GraphNames`') for the next steps."""
+
+    def __init__(self, named: dict[tuple[str, str], tuple[bytes, bytes]]) -> None:
+        self.named = named
         self.scopes: dict[str, bytes] = {}  # a scope (or an op's phase) -> its graph name and "/"
         self.leaves: dict[str, bytes] = {}
         self.nodes: dict[int, tuple[bytes, bytes]] = {}  # id(node) -> its graph name, and that as field 1
@@ -139,7 +152,8 @@ class _Names:
         if named is not None:
             return named
         key = (node.node_name, node.phase)
-        named = _NAMED.get(key)
+        known = self.named
+        named = known.get(key)
         if named is None:
             # `graph_name` works on `/`-free pieces alone: the name is its scope's name, `/`, its leaf's name
             scope, slash, leaf = node.node_name.rpartition("/")
@@ -153,30 +167,26 @@ class _Names:
                 if prefix is None:
                     prefix = self.scopes[scope] = graph_name(scope).encode() + b"/"
                 leaf_name = prefix + leaf_name
-            if len(_NAMED) >= _NAMED_MAX:
-                _NAMED.clear()
-            named = _NAMED[key] = (leaf_name, _str_bytes(b"\x0a", leaf_name))
+            if len(known) >= GraphNames.MAX:
+                known.clear()
+            named = known[key] = (leaf_name, _str_bytes(b"\x0a", leaf_name))
         self.nodes[id(node)] = named
         return named
 
 
-# (node name, phase) -> graph name and its field, across steps (a pure function of the two); emptied past
-# 65k names (a 57k-op step's fit; a few MB)
-_NAMED: dict[tuple[str, str], tuple[bytes, bytes]] = {}
-_NAMED_MAX = 1 << 16
-
-
-def graph_and_run_metadata(stats: StepStats) -> tuple[bytes, bytes]:
+def graph_and_run_metadata(stats: StepStats, names: GraphNames | None = None) -> tuple[bytes, bytes]:
     """The step's dataflow graph (a serialised `GraphDef`: ops as nodes, tensors as edges, module scopes as
     name scopes) and its serialised `RunMetadata` (per-node start, compute time, outputs and bytes
     allocated), in one pass over the step (the garbage collector paused: a full pass over a large step's
-    objects cost as much as building its graph)."""
+    objects cost as much as building its graph). `names`: the graph names kept from the fit's earlier steps
+    (None: this step's own)."""
     with paused_gc():
-        return _graph_and_run_metadata(stats)
+        return _graph_and_run_metadata(stats, (names if names is not None else GraphNames()).named)
 
 
-def _graph_and_run_metadata(stats: StepStats) -> tuple[bytes, bytes]:
-    name_of = _Names()
+def _graph_and_run_metadata(stats: StepStats, named: dict[tuple[str, str], tuple[bytes, bytes]]
+                            ) -> tuple[bytes, bytes]:
+    name_of = _Names(named)
     inputs: dict[int, list[bytes]] = {}  # id(consumer) -> its NodeDef.input (3) fields
     for edge in stats.edges:
         slot = edge.name.rsplit(":", 1)[-1]
@@ -188,7 +198,7 @@ def _graph_and_run_metadata(stats: StepStats) -> tuple[bytes, bytes]:
         if alloc.producer is not None:
             allocated[id(alloc.producer)] = allocated.get(id(alloc.producer), 0) + alloc.nbytes
 
-    named, continued, sizes = _NAMED, CONTINUED, SIZES
+    continued, sizes = CONTINUED, SIZES
     # all_start_micros: microseconds since the epoch, whose bits above the lowest 7 a step's ops share mostly
     starts: dict[int, bytes] = {}
     graph: list[bytes] = []
@@ -265,13 +275,14 @@ def run_metadata(stats: StepStats) -> Any:
     return RunMetadata.FromString(graph_and_run_metadata(stats)[1])
 
 
-def run_metadata_events(stats: StepStats, tag: str, step: int) -> list[Any]:
+def run_metadata_events(stats: StepStats, tag: str, step: int, names: GraphNames | None = None) -> list[Any]:
     """TF's `add_run_metadata(run_metadata, tag)` as the two events it writes: the step's graph and its
-    tagged run metadata (built here, off the disk's time; an event sink writes them: see `events`)."""
+    tagged run metadata (built here, off the disk's time; an event sink writes them: see `events`); `names`:
+    see `graph_and_run_metadata`."""
     from tensorboard.compat.proto.event_pb2 import TaggedRunMetadata
 
     from hookprof.tensorboard.events import new_event
 
-    graph, metadata = graph_and_run_metadata(stats)
+    graph, metadata = graph_and_run_metadata(stats, names)
     return [new_event(step, graph_def=graph),
             new_event(step, tagged_run_metadata=TaggedRunMetadata(tag=tag, run_metadata=metadata))]

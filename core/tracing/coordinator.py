@@ -285,11 +285,12 @@ class PhasedExport:
         marks = self.phases.marks
         return max(0, self.phases.end_ns - marks[0][1]) / 1e9 if marks else 0.0
 
-    @property
-    def on_mismatch(self) -> Any:
-        """The tracer's callback for a step converted elsewhere whose borrowed tensor identities did not fit
-        (`hookprof.tracing.step_identity`), or None."""
-        return getattr(self.exported, "on_mismatch", None)
+    def report_mismatch(self, reason: str) -> None:
+        """The step was converted elsewhere and its borrowed tensor identities did not fit
+        (`hookprof.tracing.step_identity`): its tracer is told, once."""
+        report = getattr(self.exported, "report_mismatch", None)
+        if report is not None:
+            report(reason)
 
 
 MICRO_BATCH = "forward"  # the mark a micro-batch after the step's first begins with (its forward pass)

@@ -77,11 +77,22 @@ class KinetoExport:
     # (RECORD, fit token): leave the step's identities for the fit's next steps; (BORROW, fit token): take them
     # from the fit's last such step (`hookprof.tracing.step_identity`); None: neither
     identity: tuple[str, str] | None = None
-    # in the training process only (not pickled): told when borrowed identities did not fit this step
+    # in the training process only (not pickled): told when borrowed identities did not fit this step, once
+    # (`report_mismatch`), however many times and wherever the step is converted
     on_mismatch: Callable[[str], None] | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "on_mismatch": None}
+
+    def report_mismatch(self, reason: str) -> None:
+        """Tell the tracer the step's borrowed identities did not fit (`reason`): the one report of this step,
+        whether it was converted here (`to_stats`) or in the render worker (its caller relays the reason), and
+        however many hooks had it converted."""
+        # (taken from the instance at once, so two threads converting the same step cannot both report it; the
+        # class's default, None, is what is left)
+        on_mismatch = self.__dict__.pop("on_mismatch", None)
+        if on_mismatch is not None:
+            on_mismatch(reason)
 
     def to_stats(self) -> StepStats:
         stats = StepStats(metadata={"torch_version": self.torch_version, "trace_start_ns": self.trace_start_ns})
@@ -111,8 +122,7 @@ class KinetoExport:
                     tree, reason = apply_template(template, rows, instants, base)
                 if reason is not None:
                     stats.metadata[DATAFLOW_MISSING] = reason
-                    if self.on_mismatch is not None:
-                        self.on_mismatch(reason)
+                    self.report_mismatch(reason)
             if tree is not None:
                 if options.record_dataflow:
                     stats.edges = find_edges(step_dataflow(tree, by_external_id))

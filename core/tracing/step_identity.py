@@ -17,8 +17,9 @@ next ones:
   template.
 
 Templates live where steps are converted (the render worker, or the training process without one), by fit
-(`remember`, `recall`: a token per fit). A fit's template is its own: it goes when the fit ends (`release_fit`,
-registered with the fit's `FitRun`: here and in the render worker). torch is not imported here.
+(`TEMPLATES`, a `hookprof._runtime.by_fit.ByFit`: a token per fit). A fit's template is its own: it goes when the
+fit ends (`release_fit`, registered with the fit's `FitRun`: here and in the render worker). torch is not imported
+here.
 """
 
 from __future__ import annotations
@@ -26,11 +27,10 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-import threading
 from collections.abc import Hashable
 from typing import Any, NamedTuple
 
-from hookprof._runtime import worker
+from hookprof._runtime.by_fit import ByFit
 from hookprof.step_stats import NodeExecStats, TensorDescription
 from hookprof.tracing.torch_dataflow import ALLOCATING_PLUMBING, Allocation, Block, EventTree, Read, held_tensors
 from hookprof.tracing.tracer import HOST_DEVICE
@@ -239,40 +239,9 @@ def apply_template(template: IdentityTemplate, rows: list[Row], instants: list[d
     return EventTree.from_parts(ops, allocations, blocks, held), None
 
 
-class Templates:
-    """The newest template of each fit, by the fit's token, until the fit ends (`forget`); of fits that no
-    `FitRun` owns (a tracer driven by hand), the newest few (thread-safe)."""
-
-    KEEP = 4
-
-    def __init__(self) -> None:
-        self._by_fit: collections.OrderedDict[str, IdentityTemplate] = collections.OrderedDict()
-        self._lock = threading.Lock()
-
-    def remember(self, token: str, template: IdentityTemplate) -> None:
-        with self._lock:
-            self._by_fit.pop(token, None)
-            self._by_fit[token] = template
-            while len(self._by_fit) > self.KEEP:
-                self._by_fit.popitem(last=False)
-
-    def recall(self, token: str) -> IdentityTemplate | None:
-        with self._lock:
-            return self._by_fit.get(token)
-
-    def forget(self, token: str) -> None:
-        with self._lock:
-            self._by_fit.pop(token, None)
-
-    def tokens(self) -> list[str]:
-        """The fits held, oldest first."""
-        with self._lock:
-            return list(self._by_fit)
-
-
 # Where this process converts steps (the render worker, or a training process without one), the templates of
 # the fits whose steps it converted, each fit's newest.
-TEMPLATES = Templates()
+TEMPLATES: ByFit[IdentityTemplate] = ByFit("identity templates")
 
 
 def held_fits() -> list[str]:
@@ -280,13 +249,7 @@ def held_fits() -> list[str]:
     return TEMPLATES.tokens()
 
 
-def forget_here(token: str) -> None:
-    """Forget fit `token`'s template in this process (run in the render worker by `release_fit`)."""
-    TEMPLATES.forget(token)
-
-
 def release_fit(token: str) -> None:
     """Fit `token` ended (its `FitRun` closes, after its hooks flushed what they traced): its template goes,
     here and in the render worker, if one runs."""
-    TEMPLATES.forget(token)
-    worker.WORKER.tell(forget_here, token)
+    TEMPLATES.release(token)
