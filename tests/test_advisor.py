@@ -140,6 +140,43 @@ def test_a_slow_dataloader_is_named_once_as_an_input_stall(tmp_path, capsys):
     assert printed.startswith(f"\nInputPipelineChecker:\n{line}\n")
 
 
+class SlowToConvert(Profiler):
+    """A Profiler whose steps take 0.5 s to add (on hookprof's background thread): much longer than the few ms
+    of the untraced step between two traced ones, so each traced step's data wait shares the process with the
+    conversion of the one before."""
+
+    def add_step(self, *args, **kwargs):
+        time.sleep(0.5)
+        return super().add_step(*args, **kwargs)
+
+
+def test_a_wait_that_hookprofs_own_work_shared_is_marked_and_no_evidence_of_an_input_stall(tmp_path, capsys):
+    model = AdamModel()
+    prof = SlowToConvert(model)
+    hook = ProfilerHook(save_steps=2, profiler=prof, output_dir=str(tmp_path), tensorboard=False)
+    trainer(str(tmp_path), [hook], 12, logger=False).fit(model, DataLoader(SleepyData(), batch_size=8))
+    traced = sorted(prof.data.steps)
+    assert [step for _, step in traced] == [2, 4, 6, 8, 10, 12]
+    # the first traced step's wait had no earlier conversion beside it; every later one had
+    shared = {step: prof.data.steps[(0, step)].data_wait_shared for _, step in traced}
+    assert shared == {2: False, 4: True, 6: True, 8: True, 10: True, 12: True}
+    # the timeline's wait span says so
+    from hookprof.trace.reader import read_timeline
+
+    waits = {step: [n for dev in read_timeline(str(tmp_path / f"timeline-{step}.json")).dev_stats
+                    for n in dev.node_stats if n.op == "data_wait"] for step in (2, 4)}
+    assert [bool(n.args and n.args.get("shared_with_hookprof")) for n in waits[2] + waits[4]] == [False, True]
+    # the loader's 32 ms waits are real, but every step that would show them shared its wait: no finding
+    # (the evidence needs three steps), where the rule of the untraced step before would have taken 4 to 12
+    capsys.readouterr()
+    advice = prof.advise()
+    assert advice["InputPipelineChecker"]["findings"] == []
+    assert all(prof.data.steps[(0, step)].data_wait_micros >= 8 * 4000 for step in (4, 6, 8))
+    # a saved profile keeps the marks
+    loaded = Profiler.load(prof.serialize_to_string())
+    assert {step: loaded.data.steps[(0, step)].data_wait_shared for _, step in traced} == shared
+
+
 @pytest.mark.parametrize("frames,line,caller", [
     (["train.py(9): <module>", "model.py(23): forward", "nn.Module: Linear_0", "torch/nn/modules/linear.py(125): "
       "forward", "<built-in function linear>"], "model.py(23): forward", "torch/nn/modules/linear.py(125): forward"),

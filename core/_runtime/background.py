@@ -24,6 +24,7 @@ import collections
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -61,6 +62,7 @@ class Background:
         self._idle = threading.Condition()
         self._thread: threading.Thread | None = None
         self._last: threading.Thread | None = None  # the newest thread started (joined by `drain`)
+        self.idle_since_ns = 0  # (time.time_ns()) when its last job ended
 
     def submit(self, job: Callable[[], None]) -> BackgroundJob:
         """Run `job()` on the worker after the jobs already submitted; wait on the handle for it. A job's
@@ -109,6 +111,7 @@ class Background:
         while True:
             with self._idle:
                 if not self._jobs:
+                    self.idle_since_ns = time.time_ns()
                     self._thread = None
                     self._idle.notify_all()
                     return
@@ -154,6 +157,12 @@ def drain_all() -> None:
 def any_busy() -> bool:
     """Whether any of hookprof's own workers has work (a step timed now may be slowed by it)."""
     return BACKGROUND.busy or WRITES.busy or RENDERS.busy
+
+
+def busy_since(start_ns: int) -> bool:
+    """Whether any of hookprof's own workers had work at some time since `start_ns` (time.time_ns()): a wait
+    timed from then to now shared the process with it."""
+    return any(worker.busy or worker.idle_since_ns > start_ns for worker in (BACKGROUND, WRITES, RENDERS))
 
 
 def _after_fork_in_child() -> None:

@@ -258,13 +258,16 @@ def input_pipeline(profile: ProfileData) -> list[dict[str, Any]]:
     """Steps that wait for their batch: the time from the previous step's end (its hooks done) to this
     step's start (before hookprof's own tracer start).
 
-    Only steps whose previous step was not traced are evidence: after a traced step, the background thread
-    converting it competes for the GIL with everything the training loop does between steps (tens of ms on a
-    small model, hookprof's own cost, not the input pipeline's). A profile's first step after `fit` starts has
-    no wait. The verdict reads the median of at least `INPUT_STALL_MIN_STEPS` such steps.
+    Only steps whose wait hookprof's own workers did not share are evidence: while an earlier traced step is
+    converted, rendered or written, those threads compete for the GIL and the CPU with everything the training
+    loop does between steps (tens of ms on a small model, more on a loaded machine: hookprof's own cost, not the
+    input pipeline's). So are no steps right after a traced step (a profile from before the shared waits were
+    marked). A profile's first step after `fit` starts has no wait. The verdict reads the median of at least
+    `INPUT_STALL_MIN_STEPS` such steps.
     """
     clean = [s for s in profile.steps.values()
-             if s.step_micros and s.data_wait_micros and (s.rank, s.step - 1) not in profile.steps]
+             if s.step_micros and s.data_wait_micros and not s.data_wait_shared
+             and (s.rank, s.step - 1) not in profile.steps]
     if len(clean) < INPUT_STALL_MIN_STEPS:
         return []
     wait = statistics.median(s.data_wait_micros for s in clean)
@@ -275,8 +278,8 @@ def input_pipeline(profile: ProfileData) -> list[dict[str, Any]]:
         "severity": share,
         "evidence": {"data_wait_share": share, "data_wait_us": wait, "steps": sorted(s.step for s in clean)},
         "report": f"Input stall: each step waits {format_time(wait)} before it starts ({100 * share:.1f}% of the "
-                  f"time, over {len(clean)} step(s) that followed an untraced step), fetching its batch and running "
-                  "the callbacks between steps. Raise the DataLoader's num_workers, use pin_memory / "
+                  f"time, over {len(clean)} step(s) whose wait hookprof's own work did not share), fetching its "
+                  "batch and running the callbacks between steps. Raise the DataLoader's num_workers, use pin_memory / "
                   "persistent_workers, or move preprocessing out of __getitem__.",
     }]
 

@@ -129,6 +129,9 @@ class StepSummary:
     collective_micros: float = 0.0
     collective_waits: int = 0
     collectives: list[str] = dataclasses.field(default_factory=list)
+    # hookprof's own workers had work during its data wait before it (an earlier traced step's conversion):
+    # that wait is not the input pipeline's alone
+    data_wait_shared: bool = False
 
     def add(self, other: StepSummary) -> None:
         """Add another run of the same step (of the same rank) to this one: times add up, the bytes in use at the
@@ -143,6 +146,7 @@ class StepSummary:
         self.collective_micros += other.collective_micros
         self.collective_waits += other.collective_waits
         self.collectives = sorted(set(self.collectives) | set(other.collectives))
+        self.data_wait_shared = self.data_wait_shared or other.data_wait_shared
 
 
 class ProfileData:
@@ -336,6 +340,7 @@ def _step_summary(step: int, rank: int, stats: StepStats, ops: list[NodeExecStat
     # the data waits: before the step, and inside it between its batches (accumulation, steps_per_execution);
     # the step's own time is its span less those inside it
     summary.data_wait_micros += sum(wait.duration_ns for wait in waits) / 1000
+    summary.data_wait_shared = any(wait.args and wait.args.get(fmt.ARG_SHARED_WITH_HOOKPROF) for wait in waits)
     train = spans.get(fmt.TRAIN_STEP)
     if train is not None:
         inside = sum(wait.duration_ns for wait in waits if wait.start_ns >= train.start_ns)

@@ -7,12 +7,14 @@ length of the uncompressed payload, then the payload compressed with zlib. The p
      "nodes": [{"name", "op", "scope", "device", "phase", "op_types", "input_shapes", "input_dtypes",
                 "inputs", "stack", "params", "memory_device", "steps": {"<step>" or "<step>@<rank>": [9 figures]}}],
      "steps": [{"step", "step_micros", "data_wait_micros", "busy_micros", "gaps", "rank",
-                "accelerator_busy", "allocated", "collective_micros", "collective_waits", "collectives"}]}
+                "accelerator_busy", "allocated", "collective_micros", "collective_waits", "collectives",
+                "data_wait_shared"}]}
 
 The 9 figures per step are: run count, micros, cpu micros, accelerator micros, requested bytes, peak bytes,
 residual bytes, output bytes, float ops. A node's `memory_device` and a step's `allocated` (per device, the
 bytes in use at its end) came after the first files of version 1, which load without them; so did a node's
-steps of ranks other than 0 (`"<step>@<rank>"`; rank 0's are `"<step>"`, as before) and a step's collectives.
+steps of ranks other than 0 (`"<step>@<rank>"`; rank 0's are `"<step>"`, as before), a step's collectives and
+its `data_wait_shared`.
 Loading checks the magic, the version, the declared size against a limit before inflating anything (and
 inflates no more than declared, a MiB at a time, refusing data that inflates faster than 200:1 as it goes),
 and every field's type; no pickle, so a hostile file can at worst be refused.
@@ -81,7 +83,7 @@ def dumps(data: ProfileData) -> bytes:
             "busy_micros": s.busy_micros, "gaps": [list(g) for g in s.gaps], "rank": s.rank,
             "accelerator_busy": s.accelerator_busy, "allocated": s.allocated,
             "collective_micros": s.collective_micros, "collective_waits": s.collective_waits,
-            "collectives": s.collectives,
+            "collectives": s.collectives, "data_wait_shared": s.data_wait_shared,
         } for s in data.steps.values()],
     }
     payload = orjson.dumps(doc)
@@ -173,13 +175,15 @@ def _from_doc(doc: Any) -> ProfileData:
         _check(_number(raw.get("collective_micros", 0)) and isinstance(raw.get("collective_waits", 0), int)
                and _str_list(collectives), f"step entry {i}: 'collective_micros' must be a number, "
                "'collective_waits' an int, 'collectives' a list of names")
+        _check(isinstance(raw.get("data_wait_shared", False), bool), f"step entry {i}: 'data_wait_shared' must be "
+               "true or false")
         key = (raw["rank"], raw["step"])
         _check(key not in data.steps, f"step {raw['step']} of rank {raw['rank']} appears twice")
         data.steps[key] = StepSummary(raw["step"], raw["step_micros"], raw["data_wait_micros"], raw["busy_micros"],
                                       [tuple(g) for g in gaps], raw["rank"], busy,
                                       {k: float(v) for k, v in allocated.items()},
                                       float(raw.get("collective_micros", 0)), raw.get("collective_waits", 0),
-                                      collectives)
+                                      collectives, raw.get("data_wait_shared", False))
     return data
 
 

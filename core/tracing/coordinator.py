@@ -21,7 +21,7 @@ import weakref
 from collections.abc import Hashable
 from typing import Any
 
-from hookprof._runtime.background import BACKGROUND, any_busy
+from hookprof._runtime.background import BACKGROUND, any_busy, busy_since
 from hookprof._runtime.fit_run import current_run
 from hookprof._runtime.warn_once import WarnOnce
 from hookprof.run_options import RunMetadata, RunOptions
@@ -37,14 +37,16 @@ STEP_THREAD_ID = 0  # the pseudo-thread that carries the step's phase spans on t
 class _StepTrace:
     """The trace of one step: its tracer, the phases marked so far, and the metadata once stopped."""
 
-    __slots__ = ("key", "tracer", "options", "marks", "data_wait", "metadata")
+    __slots__ = ("key", "tracer", "options", "marks", "data_wait", "data_wait_shared", "metadata")
 
-    def __init__(self, key: Hashable, tracer: Tracer, options: RunOptions, data_wait: tuple[int, int] | None):
+    def __init__(self, key: Hashable, tracer: Tracer, options: RunOptions, data_wait: tuple[int, int] | None,
+                 data_wait_shared: bool = False):
         self.key = key
         self.tracer = tracer
         self.options = options
         self.marks: list[tuple[str, int]] = []
         self.data_wait = data_wait  # (start, end) ns: the previous step's end to this step's request
+        self.data_wait_shared = data_wait_shared  # hookprof's own workers had work during that wait
         self.metadata: RunMetadata | None = None
 
 
@@ -139,6 +141,8 @@ class StepTraceCoordinator:
     def start(self, key: Hashable, factory: TracerFactory, options: RunOptions) -> None:
         """Start tracing step `key` unless it already is; a trace left over from another step is aborted."""
         requested_ns = time.time_ns()  # the data wait ends here; what follows (a wait, the tracer's start) is ours
+        last = self._last_step_end_ns
+        shared = last is not None and busy_since(last)  # (read before waiting for those workers below)
         current = self._current
         if current is not None:
             if current.key == key:
@@ -164,8 +168,7 @@ class StepTraceCoordinator:
         except Exception:  # profiling must never end the user's training run
             self._warn_once("start", "Starting the step's tracer failed; steps run untraced.", exc_info=True)
             return
-        last = self._last_step_end_ns
-        trace = _StepTrace(key, tracer, options, None if last is None else (last, requested_ns))
+        trace = _StepTrace(key, tracer, options, None if last is None else (last, requested_ns), shared)
         self._current = trace
         _TRACING.add(self)
         trace.marks.append(("step", time.time_ns()))
@@ -215,7 +218,8 @@ class StepTraceCoordinator:
                 current.metadata = RunMetadata()
                 return current.metadata
 
-            phases = StepPhases(current.tracer.name, current.data_wait, list(current.marks), end_ns)
+            phases = StepPhases(current.tracer.name, current.data_wait, list(current.marks), end_ns,
+                                current.data_wait_shared)
 
             def make_step_stats() -> StepStats | None:
                 try:
@@ -255,16 +259,20 @@ class StepPhases:
         data_wait: (start, end) ns of the wait before the step, or None (a run's first step).
         marks: (phase, ns) where each phase began, the step's start first (`("step", ns)` or its first phase).
         end_ns: the step's end.
+        data_wait_shared: whether hookprof's own workers (an earlier traced step's conversion, render, files)
+            had work during the data wait: its span says so (`args.shared_with_hookprof`), and the advisor
+            takes no such wait as evidence of the input pipeline's.
     """
 
     tracer: str
     data_wait: tuple[int, int] | None
     marks: list[tuple[str, int]]
     end_ns: int
+    data_wait_shared: bool = False
 
     def add_to(self, stats: StepStats) -> StepStats:
         stats.metadata.setdefault("tracer", self.tracer)
-        _add_phase_spans(stats, self.data_wait, self.marks, self.end_ns)
+        _add_phase_spans(stats, self.data_wait, self.marks, self.end_ns, self.data_wait_shared)
         return stats
 
 
@@ -307,8 +315,9 @@ def _mark_once(marks: list[tuple[str, int]], phase: str) -> None:
 
 
 def _add_phase_spans(stats: StepStats, data_wait: tuple[int, int] | None, marks: list[tuple[str, int]],
-                     end_ns: int) -> None:
-    """Add the step's phases as nested spans on the host device's "Step" thread."""
+                     end_ns: int, data_wait_shared: bool = False) -> None:
+    """Add the step's phases as nested spans on the host device's "Step" thread (the data wait before the step
+    marked `shared_with_hookprof` where hookprof's own workers had work during it)."""
     host = stats.device(HOST_DEVICE)
     host.thread_names.setdefault(STEP_THREAD_ID, fmt.STEP_PHASES_THREAD)
     spans = []
@@ -322,12 +331,13 @@ def _add_phase_spans(stats: StepStats, data_wait: tuple[int, int] | None, marks:
         for node in host.node_stats:
             if node.category != fmt.CAT_SPAN and any(start <= node.start_ns < stop for start, stop in loops):
                 node.phase = fmt.VALIDATION
-    for name, start, stop in spans:
+    shared = {fmt.ARG_SHARED_WITH_HOOKPROF: True} if data_wait is not None and data_wait_shared else None
+    for i, (name, start, stop) in enumerate(spans):
         host.node_stats.append(
             NodeExecStats(
                 node_name=f"step/{name}", op=name, start_ns=start, duration_ns=max(0, stop - start),
                 thread_id=STEP_THREAD_ID, phase="data" if name == fmt.DATA_WAIT else name,
-                category=fmt.CAT_SPAN,
+                category=fmt.CAT_SPAN, args=shared if i == 0 else None,  # (the wait before the step is first)
             )
         )
 
