@@ -53,8 +53,11 @@ def _children() -> list[int]:
     pid = os.getpid()
     children = []
     for task in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{task}/children") as f:
-            children += [int(c) for c in f.read().split()]
+        try:
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                children += [int(c) for c in f.read().split()]
+        except FileNotFoundError:  # (a thread that ended meanwhile: hookprof's closing one, say)
+            pass
     ours = []
     for child in children:
         try:
