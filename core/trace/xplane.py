@@ -38,7 +38,17 @@ from typing import Any
 import orjson
 
 from hookprof._runtime.gc_pause import paused_gc
-from hookprof._runtime.wire import FIXED64, LENGTH_DELIMITED, SIZES, VARINT, delimited, int_field, tag, varint
+from hookprof._runtime.wire import (
+    FIXED64,
+    LENGTH_DELIMITED,
+    SIZES,
+    VARINT,
+    delimited,
+    int_field,
+    tag,
+    varint,
+    varints,
+)
 from hookprof.step_stats import AllocatorSample, NodeExecStats, StepStats, TensorAllocation
 from hookprof.trace import format as fmt
 
@@ -320,6 +330,7 @@ def _step_xspace(stats: StepStats, hostname: str) -> bytes:
     unscoped: dict[tuple, tuple[bytes, bytes]] = {}  # the same but their scope: the stats around it
     shapes_json: dict[int, bytes] = {}  # id(a node's input shapes) -> them as JSON (the nodes hold them)
     durations: dict[int, bytes] = {}  # a duration in ns -> its field
+    line_event, sizes = _LINE_EVENT, SIZES
     threads: dict[int, list[NodeExecStats]] = {}
     for node in nodes:
         threads.setdefault(node.thread_id, []).append(node)
@@ -332,7 +343,8 @@ def _step_xspace(stats: StepStats, hostname: str) -> bytes:
             events.append(_event(plane.event_id(marker), (step_span[0] - base) * 1000,
                                  (step_span[1] - step_span[0]) * 1000,
                                  group + plane.stat(STEP_NAME, marker) + plane.stat(STEP_NUM, step)))
-        for node in line_nodes:
+        offsets = varints([(node.start_ns - base) * 1000 for node in line_nodes])
+        for node, offset in zip(line_nodes, offsets):
             if node.category == fmt.CAT_SPAN and node.op == fmt.TRAIN_STEP:
                 continue  # the marker above holds it
             # nodes alike share their metadata and stats (the dtypes list is one per signature: see kineto_trace)
@@ -349,7 +361,10 @@ def _step_xspace(stats: StepStats, hostname: str) -> bytes:
             duration = durations.get(node.duration_ns)
             if duration is None:
                 duration = durations[node.duration_ns] = _duration(node.duration_ns * 1000)
-            events.append(_event_fields(found[0], (node.start_ns - base) * 1000, duration, found[1]))
+            # (`_event_fields`, inlined: this runs for every event)
+            body = found[0] + offset + duration + found[1]
+            size = len(body)
+            events.append(line_event + (sizes[size] if size < 2048 else varint(size)) + body)
         plane.add_line(tid, thread_names.get(tid, f"thread {tid}"), events)
     _add_memory(plane, stats, base, group)
 
