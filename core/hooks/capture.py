@@ -30,7 +30,7 @@ from hookprof._runtime.atomic_file import atomic_write
 from hookprof._runtime.background import BACKGROUND, RENDERS, WRITES, BackgroundJob, count_dropped
 from hookprof._runtime.warn_once import WarnOnce
 from hookprof.hooks.trigger_watch import CaptureWindow
-from hookprof.step_stats import DeviceStepStats, NodeExecStats, StepStats
+from hookprof.step_stats import DeviceStepStats, NodeExecStats, StepShape, StepStats
 from hookprof.tensorboard.events import EventWriter, SerializedEvent
 from hookprof.trace import format as fmt
 from hookprof.trace import xplane
@@ -255,9 +255,14 @@ def render_step(source: Any, writer: ChromeTraceWriter, spec: RenderSpec) -> Ren
     if stats.step is None:
         stats.step = spec.run_step
     rendered.dataflow_missing = stats.metadata.get(DATAFLOW_MISSING)
+    # what the outputs hold besides the step's times: a step of the last one's shape reuses its parts
+    shape = StepShape(stats)
     try:
-        file_stats = with_recent_steps(stats, spec.capture) if spec.capture is not None else stats
-        rendered.trace = writer.render(file_stats, spec.metadata, spec.distributed)
+        file_stats, file_shape = stats, shape
+        if spec.capture is not None:
+            file_stats = with_recent_steps(stats, spec.capture)
+            file_shape = StepShape(file_stats) if file_stats is not stats else shape
+        rendered.trace = writer.render(file_stats, spec.metadata, spec.distributed, file_shape)
     except Exception:  # a bug of ours must not end the training run
         rendered.render_error = traceback.format_exc()
     if spec.events:
@@ -265,7 +270,7 @@ def render_step(source: Any, writer: ChromeTraceWriter, spec: RenderSpec) -> Ren
         try:
             from hookprof.tensorboard import graph as tensorboard_graph
 
-            events = tensorboard_graph.run_metadata_events(stats, spec.tag, spec.step)
+            events = tensorboard_graph.run_metadata_events(stats, spec.tag, spec.step, shape)
         except ImportError:
             rendered.events_error = NO_TENSORBOARD
         except Exception:  # a bug of ours must not end the training run
@@ -279,7 +284,7 @@ def render_step(source: Any, writer: ChromeTraceWriter, spec: RenderSpec) -> Ren
         rendered.native_xspace = native
         start = time.perf_counter()
         try:
-            rendered.xspace = xplane.step_xspace(stats, spec.profile_host)
+            rendered.xspace = xplane.step_xspace(stats, spec.profile_host, shape)
         except ImportError:
             rendered.xspace_error = NO_PROTOBUF
         except Exception:  # a bug of ours must not end the training run

@@ -32,6 +32,8 @@ nodes alike share encoded once (a 20k-op step: ~0.12 s, where building the messa
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import struct
 from typing import Any
 
@@ -49,7 +51,7 @@ from hookprof._runtime.wire import (
     varint,
     varints,
 )
-from hookprof.step_stats import AllocatorSample, NodeExecStats, StepStats, TensorAllocation
+from hookprof.step_stats import AllocatorSample, NodeExecStats, ShapedParts, StepShape, StepStats, TensorAllocation
 from hookprof.trace import format as fmt
 
 HOST_PLANE = "/host:CPU"  # tsl's kHostThreadsPlaneName; hookprof's host device has the same name
@@ -214,12 +216,39 @@ class _Plane:
         self.display_names: dict[int, str] = {}  # an event metadata's display name, where it has one
         self._stats: dict[str, int] = {}
         self._encoded: dict[tuple[str, Any, type], bytes] = {}
+        self.fixed = (0, 0)  # the event and stat metadata interned before `fix()`
+        self.touched = False  # whether any was looked up again after it
 
     def event_id(self, name: str) -> int:
-        return _interned(self._events, name)
+        return self._interned(self._events, 0, name)
 
     def stat_id(self, name: str) -> int:
-        return _interned(self._stats, name)
+        return self._interned(self._stats, 1, name)
+
+    def _interned(self, ids: dict[str, int], kind: int, name: str) -> int:
+        """The id of metadata `name` in `ids` (the next id on first use); `kind`: its place in `fixed`."""
+        found = ids.get(name)
+        if found is None:
+            found = ids[name] = len(ids) + 1
+        elif found <= self.fixed[kind]:
+            self.touched = True
+        return found
+
+    def fix(self) -> None:
+        """Mark the metadata interned so far (a step's own: its number, its marker's name): what is interned
+        after it, and whether that looked any of these up (`touched`), is what a next step of the same shape
+        may take (`_ShapedHost`)."""
+        self.fixed, self.touched = (len(self._events), len(self._stats)), False
+
+    def interned_since_fixed(self) -> tuple[dict[str, int], dict[str, int]]:
+        """The event and stat metadata interned after `fix()`, by name."""
+        return (dict(itertools.islice(self._events.items(), self.fixed[0], None)),
+                dict(itertools.islice(self._stats.items(), self.fixed[1], None)))
+
+    def intern(self, events: dict[str, int], stats: dict[str, int]) -> None:
+        """Take metadata interned after `fix()` in another plane whose `fix()` came at the same counts."""
+        self._events.update(events)
+        self._stats.update(stats)
 
     def stat(self, name: str, value: Any) -> bytes:
         """An XStat of `name`: ints as int64, floats as double, strings by reference (each distinct string is
@@ -266,14 +295,6 @@ class _Plane:
         return self.head + b"".join(self.lines) + b"".join(metadata) + b"".join(self.stats)
 
 
-def _interned(ids: dict[str, int], name: str) -> int:
-    """The id of metadata `name` in a plane's `ids` (the next id on first use)."""
-    found = ids.get(name)
-    if found is None:
-        found = ids[name] = len(ids) + 1
-    return found
-
-
 def _event(metadata_id: int, offset_ps: int, duration_ps: int, stats: bytes) -> bytes:
     """An `XEvent` as an `XLine.events` field (`offset_ps`, of the `data` oneof, written even when 0)."""
     return _event_fields(_event_head(metadata_id), offset_ps, _duration(duration_ps), stats)
@@ -297,14 +318,16 @@ def _event_fields(head: bytes, offset_ps: int, duration: bytes, stats: bytes) ->
     return _LINE_EVENT + (SIZES[size] if size < 2048 else varint(size)) + body
 
 
-def step_xspace(stats: StepStats, hostname: str) -> bytes:
+def step_xspace(stats: StepStats, hostname: str, shape: StepShape | None = None) -> bytes:
     """One traced step as a serialized `XSpace` for xprof (see the module's doc): the host device's threads,
-    the step's phases and, where recorded, its allocations; each CUDA device that ran kernels, a GPU plane."""
+    the step's phases and, where recorded, its allocations; each CUDA device that ran kernels, a GPU plane.
+    With the step's `shape` (`hookprof.step_stats.StepShape`): a step of the last one's shape takes its host
+    events' metadata and stats from it, and this one's are kept for the next."""
     with paused_gc():  # (its many small objects made the collector's full passes over the step's nodes cost 2x)
-        return _step_xspace(stats, hostname)
+        return _step_xspace(stats, hostname, shape)
 
 
-def _step_xspace(stats: StepStats, hostname: str) -> bytes:
+def _step_xspace(stats: StepStats, hostname: str, shape: StepShape | None = None) -> bytes:
     step = stats.step if stats.step is not None else 0
     host = next((dev for dev in stats.dev_stats if dev.device == HOST_PLANE), None)
     nodes = host.node_stats if host is not None else []
@@ -326,46 +349,68 @@ def _step_xspace(stats: StepStats, hostname: str) -> bytes:
 
     plane = _Plane(1, HOST_PLANE)
     group = plane.stat(GROUP_ID, step)
-    described: dict[tuple, tuple[bytes, bytes]] = {}  # what nodes alike have: their metadata and stats
-    unscoped: dict[tuple, tuple[bytes, bytes]] = {}  # the same but their scope: the stats around it
-    shapes_json: dict[int, bytes] = {}  # id(a node's input shapes) -> them as JSON (the nodes hold them)
-    durations: dict[int, bytes] = {}  # a duration in ns -> its field
-    line_event, sizes = _LINE_EVENT, SIZES
     threads: dict[int, list[NodeExecStats]] = {}
     for node in nodes:
         threads.setdefault(node.thread_id, []).append(node)
     thread_names = host.thread_names if host is not None else {}
     step_thread = _step_thread(thread_names)
-    for tid in sorted(threads, key=lambda t: (t != step_thread, t)):
-        line_nodes = sorted(threads[tid], key=lambda n: (n.start_ns, -n.duration_ns))
-        events = []
-        if tid == step_thread and step_span is not None:
-            events.append(_event(plane.event_id(marker), (step_span[0] - base) * 1000,
-                                 (step_span[1] - step_span[0]) * 1000,
-                                 group + plane.stat(STEP_NAME, marker) + plane.stat(STEP_NUM, step)))
+    marker_event = None  # (the step thread's line comes first, the marker first in it)
+    if step_thread in threads and step_span is not None:
+        marker_event = _event(plane.event_id(marker), (step_span[0] - base) * 1000,
+                              (step_span[1] - step_span[0]) * 1000,
+                              group + plane.stat(STEP_NAME, marker) + plane.stat(STEP_NUM, step))
+    plane.fix()
+    lines = [(tid, sorted(threads[tid], key=lambda n: (n.start_ns, -n.duration_ns)))
+             for tid in sorted(threads, key=lambda t: (t != step_thread, t))]
+    kept = _SHAPED.parts(shape)
+    if kept is not None and not kept.fits(plane, lines, threads):
+        kept = None
+    made = _ShapedHost(plane.fixed, []) if shape is not None and kept is None else None
+    durations: dict[int, bytes] = {}  # a duration in ns -> its field
+    described: dict[tuple, tuple[bytes, bytes]] = {}  # what nodes alike have: their metadata and stats but group
+    unscoped: dict[tuple, tuple[bytes, bytes]] = {}  # the same but their scope: the stats around it
+    shapes_json: dict[int, bytes] = {}  # id(a node's input shapes) -> them as JSON (the nodes hold them)
+    line_event, sizes, skip = _LINE_EVENT, SIZES, len(group)
+    for number, (tid, line_nodes) in enumerate(lines):
+        events = [marker_event] if tid == step_thread and marker_event is not None else []
         offsets = varints([(node.start_ns - base) * 1000 for node in line_nodes])
-        for node, offset in zip(line_nodes, offsets):
+        parts = kept.lines[number] if kept is not None else []
+        if made is not None:
+            made.lines.append(parts)
+        for node, offset, part in zip(line_nodes, offsets, parts or itertools.repeat(None)):
             if node.category == fmt.CAT_SPAN and node.op == fmt.TRAIN_STEP:
+                if made is not None:
+                    parts.append(None)
                 continue  # the marker above holds it
-            # nodes alike share their metadata and stats (the dtypes list is one per signature: see kineto_trace)
-            shapes = None
-            if node.input_shapes:  # (kineto's steps share one list per signature: serialised once)
-                shapes = shapes_json.get(id(node.input_shapes))
-                if shapes is None:
-                    shapes = shapes_json[id(node.input_shapes)] = orjson.dumps(node.input_shapes)
-            signature = (node.category, node.op, node.scope, node.phase, shapes, id(node.input_dtypes))
-            found = described.get(signature)
-            if found is None:  # (the nodes, so their lists, live as long as this: ids are not reused)
-                key, node_stats = _node_stats(plane, node, group, shapes, unscoped)
-                found = described[signature] = (_event_head(key), node_stats)
+            if part is None:  # (a step not of the last one's shape)
+                # nodes alike share their metadata and stats (the dtypes list is one per signature: kineto_trace)
+                shapes = None
+                if node.input_shapes:  # (kineto's steps share one list per signature: serialised once)
+                    shapes = shapes_json.get(id(node.input_shapes))
+                    if shapes is None:
+                        shapes = shapes_json[id(node.input_shapes)] = orjson.dumps(node.input_shapes)
+                signature = (node.category, node.op, node.scope, node.phase, shapes, id(node.input_dtypes))
+                part = described.get(signature)
+                if part is None:  # (the nodes, so their lists, live as long as this: ids are not reused)
+                    key, node_stats = _node_stats(plane, node, group, shapes, unscoped)
+                    part = described[signature] = (_event_head(key), node_stats[skip:])  # (it starts with group)
+                if made is not None:
+                    parts.append(part)
             duration = durations.get(node.duration_ns)
             if duration is None:
                 duration = durations[node.duration_ns] = _duration(node.duration_ns * 1000)
             # (`_event_fields`, inlined: this runs for every event)
-            body = found[0] + offset + duration + found[1]
+            body = part[0] + offset + duration + group + part[1]
             size = len(body)
             events.append(line_event + (sizes[size] if size < 2048 else varint(size)) + body)
         plane.add_line(tid, thread_names.get(tid, f"thread {tid}"), events)
+    if kept is not None:
+        plane.intern(kept.events, kept.stats)
+    elif made is not None:
+        made.in_order = all(line == threads[tid] for tid, line in lines)
+        made.touched = plane.touched
+        made.events, made.stats = plane.interned_since_fixed()
+        _SHAPED.keep(shape, None, made)
     _add_memory(plane, stats, base, group)
 
     planes = [plane.encode()]
@@ -381,6 +426,36 @@ def _step_xspace(stats: StepStats, hostname: str) -> bytes:
         task.stats.append(delimited(_PLANE_STAT, stat))
     planes.append(task.encode())
     return b"".join(delimited(_SPACE_PLANE, p) for p in planes) + delimited(_SPACE_HOSTNAME, hostname.encode())
+
+
+@dataclasses.dataclass
+class _ShapedHost:
+    """What the host plane of a step's XSpace took from its shape: per line, per node in line order, its event's
+    metadata field and its stats but the step's `group_id` (None for the step's span, which the marker holds);
+    the metadata its nodes interned, after the step's own (`fixed`: their counts); whether its nodes looked
+    any of the step's own up (`touched`); whether each line's nodes were in the step's order."""
+
+    fixed: tuple[int, int]
+    lines: list[list[tuple[bytes, bytes] | None]]
+    events: dict[str, int] = dataclasses.field(default_factory=dict)
+    stats: dict[str, int] = dataclasses.field(default_factory=dict)
+    touched: bool = False
+    in_order: bool = False
+
+    def fits(self, plane: _Plane, lines: list[tuple[int, list[NodeExecStats]]],
+             threads: dict[int, list[NodeExecStats]]) -> bool:
+        """Whether a step of the same shape whose plane interned its own metadata (`fix()`ed) and whose lines
+        are `lines` encodes its nodes as this one did: its lines' nodes in its order too (so in the same order
+        as this one's), its own metadata as many, none of them interned by this one's nodes (a node's name
+        equal to the new step's marker), and none of this one's looked up by its nodes."""
+        return (self.in_order and not self.touched and plane.fixed == self.fixed
+                and all(line == threads[tid] for tid, line in lines)
+                and not any(name in self.events for name in plane._events)
+                and not any(name in self.stats for name in plane._stats))
+
+
+# The last step's host plane: what its shape decided (`_step_xspace`)
+_SHAPED = ShapedParts()
 
 
 def _step_thread(thread_names: dict[int, str]) -> int | None:

@@ -1,0 +1,87 @@
+"""A step of the last rendered one's shape reuses what that shape decided (`hookprof.step_stats.StepShape`): its
+timeline, step graph, run metadata and XSpace are byte for byte what rendering it alone writes, and a step of
+another shape, or whose threads' events came in another order, reuses nothing."""
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+
+from hookprof.run_options import RunOptions, TraceLevel
+from hookprof.step_stats import NodeExecStats, StepShape, node_shape
+from hookprof.tensorboard import graph
+from hookprof.trace import writer, xplane
+from hookprof.trace.writer import ChromeTraceWriter
+from hookprof.tracing.torch_tracer import TorchTracer
+
+
+def test_a_nodes_shape_is_every_field_but_its_times():
+    fields = [f.name for f in dataclasses.fields(NodeExecStats) if f.name not in ("start_ns", "duration_ns")]
+    node = NodeExecStats(**{f.name: f"value of {f.name}" for f in dataclasses.fields(NodeExecStats)})
+    assert sorted(node_shape(node)) == sorted(f"value of {name}" for name in fields)
+
+
+def traced_steps(count, memory=False):
+    """`count` real training steps of one model, traced with dataflow (and memory) (steps 7, 8, ...)."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    tracer = TorchTracer(model)
+    steps = []
+    for step in range(7, 7 + count):
+        tracer.start(RunOptions(trace_level=TraceLevel.FULL_TRACE, record_dataflow=True, record_memory=True))
+        model(torch.randn(4, 8)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        stats = tracer.stop()
+        stats.step = step
+        if not memory:
+            stats.allocations, stats.memory_samples = [], []
+        steps.append(stats)
+    return steps
+
+
+def outputs(stats, shape=None):
+    """The step's timeline bytes, GraphDef, RunMetadata and XSpace, reusing the last step's parts with `shape`."""
+    trace = b"".join(ChromeTraceWriter().render(stats, {"run": 1}, shape=shape)[0].chunks)
+    return (trace, *graph.graph_and_run_metadata(stats, shape), xplane.step_xspace(stats, "host", shape))
+
+
+@pytest.fixture(autouse=True)
+def no_kept_parts():
+    for module in (writer, graph, xplane):
+        module._SHAPED.clear()
+    yield
+    for module in (writer, graph, xplane):
+        module._SHAPED.clear()
+
+
+def test_a_step_of_the_last_ones_shape_renders_as_it_alone_would():
+    first, second = traced_steps(2)
+    shapes = StepShape(first), StepShape(second)
+    assert shapes[0] == shapes[1]  # (a fit's steps repeat one shape: the second reuses the first's parts)
+    alone = outputs(second)
+    assert outputs(first, shapes[0]) == outputs(first)
+    assert outputs(second, shapes[1]) == alone
+    assert all(module._SHAPED._last[0] is shapes[0] for module in (writer, graph, xplane))  # (kept, not remade)
+    assert alone[0] != outputs(first)[0] and alone[3] != outputs(first)[3]  # (its own times and number)
+
+
+def test_a_step_of_another_shape_or_order_reuses_nothing():
+    first, second = traced_steps(2)
+    renamed, reordered = copy.deepcopy(second), copy.deepcopy(second)
+    host = next(dev for dev in renamed.dev_stats if dev.device == xplane.HOST_PLANE)
+    op = next(node for node in host.node_stats if node.op == "aten::addmm")
+    op.scope = "elsewhere"
+    # the same shape, but one thread's events no longer in the step's order (xprof's lines are in time order)
+    host = next(dev for dev in reordered.dev_stats if dev.device == xplane.HOST_PLANE)
+    a, b = [node for node in host.node_stats if node.category == "Op"][:2]
+    assert a.start_ns < b.start_ns
+    a.start_ns, b.start_ns = b.start_ns, a.start_ns
+    with_memory = traced_steps(1, memory=True)[0]  # (its allocations' bytes are in its nodes' run metadata)
+    assert with_memory.allocations and StepShape(with_memory) == StepShape(first)
+    for before, step in ((first, renamed), (first, reordered), (reordered, second), (first, with_memory)):
+        outputs(before, StepShape(before))
+        assert outputs(step, StepShape(step)) == outputs(step)
+    assert StepShape(reordered) == StepShape(first) and StepShape(renamed) != StepShape(first)
+
