@@ -209,7 +209,7 @@ class StepShape:
     timed fields for the next step of that shape (a fit's traced steps repeat one). Taken once the stats are
     complete (their nodes' lists are held, not copied: nothing changes them after)."""
 
-    __slots__ = ("devices", "nodes", "edges")
+    __slots__ = ("devices", "nodes", "edges", "_same")
 
     def __init__(self, stats: StepStats) -> None:
         self.devices = [(dev.device, dict(dev.thread_names)) for dev in stats.dev_stats]
@@ -219,10 +219,16 @@ class StepShape:
         # (an edge's node outside the step, which no tracer makes, is held as itself: compared with its times)
         self.edges = [(place.get(id(e.producer), e.producer), place.get(id(e.consumer), e.consumer), e.name, e.tensor)
                       for e in stats.edges]
+        self._same: StepShape | None = None  # the last shape found equal (each renderer asks of the same one)
 
     def __eq__(self, other: object) -> bool:
-        return (isinstance(other, StepShape) and self.devices == other.devices and self.edges == other.edges
+        if other is self._same or other is self:
+            return True
+        same = (isinstance(other, StepShape) and self.devices == other.devices and self.edges == other.edges
                 and self.nodes == other.nodes)
+        if same:
+            self._same = other
+        return same
 
     __hash__ = None  # type: ignore[assignment]
 

@@ -80,7 +80,8 @@ def test_a_step_of_another_shape_or_order_reuses_nothing():
     a.start_ns, b.start_ns = b.start_ns, a.start_ns
     with_memory = traced_steps(1, memory=True)[0]  # (its allocations' bytes are in its nodes' run metadata)
     assert with_memory.allocations and StepShape(with_memory) == StepShape(first)
-    for before, step in ((first, renamed), (first, reordered), (reordered, second), (first, with_memory)):
+    for before, step in ((first, renamed), (first, reordered), (reordered, second), (first, with_memory),
+                         (with_memory, second)):
         outputs(before, StepShape(before))
         assert outputs(step, StepShape(step)) == outputs(step)
     assert StepShape(reordered) == StepShape(first) and StepShape(renamed) != StepShape(first)

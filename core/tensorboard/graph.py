@@ -21,7 +21,7 @@ import re
 from typing import Any
 
 from hookprof._runtime.gc_pause import paused_gc
-from hookprof._runtime.wire import CONTINUED, SIZES, delimited, int_field, str_field, varint
+from hookprof._runtime.wire import SIZES, delimited, int_field, str_field, varint, varints
 from hookprof.step_stats import KernelsOf, ShapedParts, StepShape, StepStats
 from hookprof.trace import format as fmt
 
@@ -184,31 +184,26 @@ def _timed_run_metadata(stats: StepStats, kept: list[tuple[bytes, list[tuple[byt
     """`_graph_and_run_metadata`'s RunMetadata from what the step's shape decides (`kept`: per device, its
     device field and, per node, None for a node that is no op, else its name's field and its output and label
     fields) and the nodes' times."""
-    starts: dict[int, bytes] = {}
     durations: dict[int, bytes] = {}
     devices = []
     for dev, (device_field, fields) in zip(stats.dev_stats, kept):
         node_stats = [device_field]
-        for node, node_fields in zip(dev.node_stats, fields):
+        for node, node_fields, start in zip(dev.node_stats, fields, _start_fields(dev.node_stats)):
             if node_fields is not None:
                 micros = max(1, node.duration_ns // 1000)
-                body = (node_fields[0] + _start_field(node.start_ns // 1000, starts)
-                        + (durations.get(micros) or _duration(micros, durations)) + node_fields[1])
+                body = (node_fields[0] + start + (durations.get(micros) or _duration(micros, durations))
+                        + node_fields[1])
                 size = len(body)
                 node_stats.append(b"\x12" + (SIZES[size] if size < 2048 else varint(size)) + body)
         devices.append(delimited(b"\x0a", b"".join(node_stats)))
     return delimited(b"\x0a", b"".join(devices)) if devices else b""
 
 
-def _start_field(start: int, starts: dict[int, bytes]) -> bytes:
-    """NodeExecStats.all_start_micros (2): microseconds since the epoch, whose bits above the lowest 7 a step's
-    ops share mostly (`starts`: those bits encoded, by their value)."""
-    if start < 128:
-        return int_field(b"\x10", start)
-    high = starts.get(start >> 7)
-    if high is None:
-        high = starts[start >> 7] = varint(start >> 7)
-    return b"\x10" + CONTINUED[start & 0x7F] + high
+def _start_fields(nodes: list[Any]) -> list[bytes]:
+    """NodeExecStats.all_start_micros (2) of each node (microseconds since the epoch; proto3 leaves out 0),
+    encoded together (`varints`)."""
+    return [b"\x10" + start if start != b"\x00" else b""
+            for start in varints([node.start_ns // 1000 for node in nodes])]
 
 
 def _duration(micros: int, durations: dict[int, bytes]) -> bytes:
@@ -234,7 +229,6 @@ def _graph_and_run_metadata(stats: StepStats, kept: list[tuple[bytes, list[tuple
             allocated[id(alloc.producer)] = allocated.get(id(alloc.producer), 0) + alloc.nbytes
 
     named, sizes = _NAMED, SIZES
-    starts: dict[int, bytes] = {}  # (`_start_field`)
     graph: list[bytes] = []
     devices: list[bytes] = []
     # An op that ran kernels (itself or through the ops nested in it) ran on their device, as TF placed it:
@@ -251,7 +245,7 @@ def _graph_and_run_metadata(stats: StepStats, kept: list[tuple[bytes, list[tuple
         shaped: list[tuple[bytes, bytes] | None] = []  # (what `kept` gets: this device's nodes' untimed fields)
         if kept is not None:
             kept.append((device_field, shaped))
-        for node in dev.node_stats:
+        for node, start in zip(dev.node_stats, _start_fields(dev.node_stats)):
             if node.category != fmt.CAT_OP:
                 shaped.append(None)
                 continue
@@ -284,7 +278,7 @@ def _graph_and_run_metadata(stats: StepStats, kept: list[tuple[bytes, list[tuple
                 outputs = delimited(b"\x32", str_field(b"\x0a", shared.device.decode()) + int_field(b"\x10", nbytes) +
                                int_field(b"\x18", nbytes)) + outputs
             shaped.append((name_field, outputs + label))
-            fields = b"".join((name_field, _start_field(node.start_ns // 1000, starts),
+            fields = b"".join((name_field, start,
                                durations.get(micros) or _duration(micros, durations), outputs, label))
             size = len(fields)
             node_stats.append(b"\x12" + (sizes[size] if size < 2048 else varint(size)) + fields)

@@ -32,9 +32,11 @@ nodes alike share encoded once (a 20k-op step: ~0.12 s, where building the messa
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import struct
+from collections.abc import Iterable
 from typing import Any
 
 import orjson
@@ -218,6 +220,8 @@ class _Plane:
         self._encoded: dict[tuple[str, Any, type], bytes] = {}
         self.fixed = (0, 0)  # the event and stat metadata interned before `fix()`
         self.touched = False  # whether any was looked up again after it
+        self._taken: tuple[tuple[dict[str, int], bytes], tuple[dict[str, int], bytes]] | None = None  # (`intern`)
+        self.kept_metadata: tuple[bytes, ...] = ()  # (`encode`)
 
     def event_id(self, name: str) -> int:
         return self._interned(self._events, 0, name)
@@ -245,10 +249,12 @@ class _Plane:
         return (dict(itertools.islice(self._events.items(), self.fixed[0], None)),
                 dict(itertools.islice(self._stats.items(), self.fixed[1], None)))
 
-    def intern(self, events: dict[str, int], stats: dict[str, int]) -> None:
-        """Take metadata interned after `fix()` in another plane whose `fix()` came at the same counts."""
+    def intern(self, events: dict[str, int], stats: dict[str, int], encoded: tuple[bytes, bytes]) -> None:
+        """Take metadata interned after `fix()` in another plane whose `fix()` came at the same counts, and their
+        entries as it encoded them (its `kept_metadata`)."""
         self._events.update(events)
         self._stats.update(stats)
+        self._taken = ((events, encoded[0]), (stats, encoded[1]))
 
     def stat(self, name: str, value: Any) -> bytes:
         """An XStat of `name`: ints as int64, floats as double, strings by reference (each distinct string is
@@ -280,19 +286,44 @@ class _Plane:
         self.lines.append(delimited(_PLANE_LINE, int_field(_LINE_ID, line_id) + delimited(_LINE_NAME, name.encode())
                                     + b"".join(events) + int_field(_LINE_DISPLAY_ID, line_id)))
 
-    def encode(self) -> bytes:
-        """The plane's bytes: its lines, its metadata maps (entries of key 1, value 2), its own stats."""
+    def encode(self, since_fixed: tuple[int, int] | None = None) -> bytes:
+        """The plane's bytes: its lines, its metadata maps (entries of key 1, value 2), its own stats.
+        `since_fixed`: how many event and stat metadata interned after `fix()` to keep encoded (`kept_metadata`,
+        for a next step that `intern`s them); metadata interned so from another plane is written as it encoded
+        it."""
         metadata = []
-        for field, ids in ((_PLANE_EVENT_METADATA, self._events), (_PLANE_STAT_METADATA, self._stats)):
-            shown = self.display_names if ids is self._events else {}
-            for name, key in ids.items():  # (a step has thousands: `delimited` and `int_field` inlined; ids > 0)
-                encoded_key, encoded_name = varint(key), name.encode()
-                body = _ID + encoded_key + _NAME + varint(len(encoded_name)) + encoded_name
-                if key in shown:
-                    body += delimited(_DISPLAY_NAME, shown[key].encode())
-                entry = _KEY + encoded_key + _VALUE + varint(len(body)) + body
-                metadata.append(field + varint(len(entry)) + entry)
+        kept = []
+        maps = ((_PLANE_EVENT_METADATA, self._events), (_PLANE_STAT_METADATA, self._stats))
+        for kind, (field, ids) in enumerate(maps):
+            shown = self.display_names if kind == 0 else {}
+            items = iter(ids.items())
+            taken = self._taken[kind] if self._taken is not None else None
+            count = len(taken[0]) if taken is not None else since_fixed[kind] if since_fixed is not None else None
+            if count is not None:
+                metadata.append(_metadata(field, itertools.islice(items, self.fixed[kind]), shown))
+                middle = itertools.islice(items, count)
+                if taken is not None:
+                    collections.deque(middle, maxlen=0)  # (skipped: encoded in `taken`)
+                    kept.append(taken[1])
+                else:
+                    kept.append(_metadata(field, middle, shown))
+                metadata.append(kept[-1])
+            metadata.append(_metadata(field, items, shown))
+        self.kept_metadata = tuple(kept)
         return self.head + b"".join(self.lines) + b"".join(metadata) + b"".join(self.stats)
+
+
+def _metadata(field: bytes, items: Iterable[tuple[str, int]], shown: dict[int, str]) -> bytes:
+    """Metadata map entries (`field`: the plane's event or stat metadata), of `items` (name, id)."""
+    metadata = []
+    for name, key in items:  # (a step has thousands: `delimited` and `int_field` inlined; ids > 0)
+        encoded_key, encoded_name = varint(key), name.encode()
+        body = _ID + encoded_key + _NAME + varint(len(encoded_name)) + encoded_name
+        if key in shown:
+            body += delimited(_DISPLAY_NAME, shown[key].encode())
+        entry = _KEY + encoded_key + _VALUE + varint(len(body)) + body
+        metadata.append(field + varint(len(entry)) + entry)
+    return b"".join(metadata)
 
 
 def _event(metadata_id: int, offset_ps: int, duration_ps: int, stats: bytes) -> bytes:
@@ -405,15 +436,17 @@ def _step_xspace(stats: StepStats, hostname: str, shape: StepShape | None = None
             events.append(line_event + (sizes[size] if size < 2048 else varint(size)) + body)
         plane.add_line(tid, thread_names.get(tid, f"thread {tid}"), events)
     if kept is not None:
-        plane.intern(kept.events, kept.stats)
+        plane.intern(kept.events, kept.stats, kept.metadata)
     elif made is not None:
         made.in_order = all(line == threads[tid] for tid, line in lines)
         made.touched = plane.touched
         made.events, made.stats = plane.interned_since_fixed()
-        _SHAPED.keep(shape, None, made)
     _add_memory(plane, stats, base, group)
 
-    planes = [plane.encode()]
+    planes = [plane.encode((len(made.events), len(made.stats)) if made is not None else None)]
+    if made is not None:
+        made.metadata = plane.kept_metadata
+        _SHAPED.keep(shape, None, made)
     if devices:
         ops = {n.node_name: n for n in nodes if n.category == fmt.CAT_OP}
         properties = {p.get("id"): p for p in stats.metadata.get(fmt.DEVICE_PROPERTIES) or ()}
@@ -432,13 +465,15 @@ def _step_xspace(stats: StepStats, hostname: str, shape: StepShape | None = None
 class _ShapedHost:
     """What the host plane of a step's XSpace took from its shape: per line, per node in line order, its event's
     metadata field and its stats but the step's `group_id` (None for the step's span, which the marker holds);
-    the metadata its nodes interned, after the step's own (`fixed`: their counts); whether its nodes looked
+    the metadata its nodes interned, after the step's own (`fixed`: their counts), and its map entries, encoded
+    (the metadata interned after them, of allocations, is the step's own); whether its nodes looked
     any of the step's own up (`touched`); whether each line's nodes were in the step's order."""
 
     fixed: tuple[int, int]
     lines: list[list[tuple[bytes, bytes] | None]]
     events: dict[str, int] = dataclasses.field(default_factory=dict)
     stats: dict[str, int] = dataclasses.field(default_factory=dict)
+    metadata: tuple[bytes, ...] = ()  # their entries, encoded (events', stats')
     touched: bool = False
     in_order: bool = False
 
