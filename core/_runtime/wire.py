@@ -44,9 +44,12 @@ SIZES = [varint(size) for size in range(2048)]  # the lengths of most encoded ev
 
 
 def varints(values: Any) -> list[bytes]:
-    """`varint` of each of `values` (non-negative ints below 2**63), encoded together (numpy): a step's tens of
-    thousands of event offsets cost a tenth of one `varint` call each."""
-    array = np.asarray(values, dtype=np.uint64)
+    """`varint` of each of `values`, encoded together (numpy): a step's tens of thousands of event offsets cost
+    a tenth of one `varint` call each. Values outside int64 are encoded one at a time."""
+    try:
+        array = np.asarray(values, dtype=np.int64).view(np.uint64)  # (a negative one: its two's complement)
+    except OverflowError:
+        return [varint(value) for value in values]
     count = len(array)
     if not count:
         return []
