@@ -236,13 +236,17 @@ class StepShape:
 class ShapedParts:
     """The parts of one rendered step that its shape decided, for the next step of that shape: where steps
     are rendered (the render worker, or a training process without one), each renderer keeps its last step's
-    (one step's worth: a few MB at 20k ops). `parts(shape, context)` gives them when both match; `keep`
-    replaces them (one reference: threads that render at once each see a whole pair, or none)."""
+    (one step's worth: ~1 KB a node, the three renderers' and the shape together; none of a step of more than
+    `KEEP_NODES_MAX` nodes), until the fit ends (`forget_shaped_parts`). `parts(shape, context)` gives them
+    when both match; `keep` replaces them (one reference: threads that render at once each see a whole pair,
+    or none)."""
 
     __slots__ = ("_last",)
+    KEEP_NODES_MAX = 65536
 
     def __init__(self) -> None:
         self._last: tuple[StepShape, Any, Any] | None = None
+        _SHAPED_PARTS.append(self)
 
     def parts(self, shape: StepShape | None, context: Any = None) -> Any:
         last = self._last
@@ -251,11 +255,21 @@ class ShapedParts:
         return last[2]
 
     def keep(self, shape: StepShape | None, context: Any, parts: Any) -> None:
-        if shape is not None:
+        if shape is not None and sum(map(len, shape.nodes)) <= self.KEEP_NODES_MAX:
             self._last = (shape, context, parts)
 
     def clear(self) -> None:
         self._last = None
+
+
+_SHAPED_PARTS: list[ShapedParts] = []  # every renderer's
+
+
+def forget_shaped_parts() -> None:
+    """Drop what every renderer kept of its last step in this process (a fit's end: here, and in the render
+    worker, which `hookprof.hooks.capture` tells)."""
+    for parts in _SHAPED_PARTS:
+        parts.clear()
 
 
 def _node_end(node: NodeExecStats) -> int:

@@ -5,15 +5,21 @@ another shape, or whose threads' events came in another order, reuses nothing.""
 import copy
 import dataclasses
 
+import lightning as L
 import pytest
 import torch
 
+from hookprof._runtime import worker
+from hookprof.hooks import CaptureOptions
 from hookprof.run_options import RunOptions, TraceLevel
-from hookprof.step_stats import NodeExecStats, StepShape, node_shape
+from hookprof.step_stats import NodeExecStats, ShapedParts, StepShape, node_shape
 from hookprof.tensorboard import graph
 from hookprof.trace import writer, xplane
 from hookprof.trace.writer import ChromeTraceWriter
 from hookprof.tracing.torch_tracer import TorchTracer
+from lightning_prof import ProfilerHook
+from tests import worker_probe
+from tests.lightning_models import TinyModel, loader, trainer
 
 
 def test_a_nodes_shape_is_every_field_but_its_times():
@@ -86,3 +92,36 @@ def test_a_step_of_another_shape_or_order_reuses_nothing():
         assert outputs(step, StepShape(step)) == outputs(step)
     assert StepShape(reordered) == StepShape(first) and StepShape(renamed) != StepShape(first)
 
+
+
+class HeldAtTheEnd(L.Callback):
+    """At the fit's end, before the ProfilerHook's (placed before it), its steps rendered: how many renderers
+    hold a last step's parts where they were rendered."""
+
+    def __init__(self, hook, held):
+        self.hook, self.held, self.count = hook, held, None
+
+    def on_train_end(self, trainer, pl_module):
+        assert self.hook.saved_paths  # (waits for every traced step to be rendered)
+        self.count = self.held()
+
+
+@pytest.mark.parametrize("render_worker", [True, False], ids=["worker", "in-process"])
+def test_what_renderers_keep_of_a_fits_last_step_goes_when_the_fit_ends(tmp_dir, render_worker):
+    if render_worker and not worker.AVAILABLE:
+        pytest.skip("the render worker runs on POSIX systems")
+    held = (lambda: worker.WORKER.call(worker_probe.shaped_parts_held)) if render_worker \
+        else worker_probe.shaped_parts_held
+    hook = ProfilerHook(save_steps=1, output_dir=tmp_dir, capture=CaptureOptions(render_worker=render_worker))
+    probe = HeldAtTheEnd(hook, held)
+    trainer(tmp_dir, [probe, hook], 4).fit(TinyModel(), loader())
+    assert probe.count == 3  # the timeline's, the step graph's and the XSpace's, while the fit ran
+    assert held() == 0
+
+
+def test_a_step_of_more_nodes_than_kept_renders_alike_and_keeps_nothing(monkeypatch):
+    first, second = traced_steps(2)
+    monkeypatch.setattr(ShapedParts, "KEEP_NODES_MAX", sum(len(dev.node_stats) for dev in first.dev_stats) - 1)
+    assert outputs(first, StepShape(first)) == outputs(first)
+    assert all(module._SHAPED._last is None for module in (writer, graph, xplane))
+    assert outputs(second, StepShape(second)) == outputs(second)

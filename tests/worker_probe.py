@@ -29,3 +29,10 @@ def burn(cpu_seconds: float) -> int:
     while time.process_time() < end:
         pass
     return os.getpid()
+
+
+def shaped_parts_held() -> int:
+    """How many renderers hold parts of a last step (`hookprof.step_stats.ShapedParts`) in this process."""
+    from hookprof.step_stats import _SHAPED_PARTS
+
+    return sum(parts._last is not None for parts in _SHAPED_PARTS)

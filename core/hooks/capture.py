@@ -28,9 +28,10 @@ from typing import Any
 from hookprof._runtime import arguments, distribution, worker
 from hookprof._runtime.atomic_file import atomic_write
 from hookprof._runtime.background import BACKGROUND, RENDERS, WRITES, BackgroundJob, count_dropped
+from hookprof._runtime.fit_run import on_fit_end
 from hookprof._runtime.warn_once import WarnOnce
 from hookprof.hooks.trigger_watch import CaptureWindow
-from hookprof.step_stats import DeviceStepStats, NodeExecStats, StepShape, StepStats
+from hookprof.step_stats import DeviceStepStats, NodeExecStats, StepShape, StepStats, forget_shaped_parts
 from hookprof.tensorboard.events import EventWriter, SerializedEvent
 from hookprof.trace import format as fmt
 from hookprof.trace import xplane
@@ -293,6 +294,13 @@ def render_step(source: Any, writer: ChromeTraceWriter, spec: RenderSpec) -> Ren
     return rendered
 
 
+def release_shaped_parts() -> None:
+    """A fit ended (its hooks flushed what they traced): what the renderers kept of its last step goes, here and
+    in the render worker, if one runs (`hookprof.step_stats.ShapedParts`)."""
+    forget_shaped_parts()
+    worker.WORKER.tell(forget_shaped_parts)
+
+
 RECENT_STEPS_THREAD_ID = 1  # the host pseudo-thread of a trigger's window (the step phases' is 0)
 
 
@@ -441,6 +449,7 @@ class CapturePipeline:
         skipped, self.skipped_since_file = self.skipped_since_file, 0
         job = Job(step, run_metadata, session, path, output_dir, events, capture, skipped, self.options.profile_tab)
         self.start_worker()  # (its imports run while the background thread has kineto export the step)
+        on_fit_end(("shaped parts",), release_shaped_parts)  # (what rendering keeps of the fit's last step)
         self._pending = BACKGROUND.submit(lambda: self.save(job))
         if self.profiler is not None:
             self.profiler.wait_for(self._pending)  # its reports include this step
