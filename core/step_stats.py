@@ -250,7 +250,8 @@ class ShapedParts:
 
     def parts(self, shape: StepShape | None, context: Any = None) -> Any:
         last = self._last
-        if shape is None or last is None or last[1] != context or last[0] != shape:
+        # (the new shape compared with the kept one, not the other way: what it remembers goes with it)
+        if shape is None or last is None or last[1] != context or shape != last[0]:
             return None
         return last[2]
 
