@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import itertools
+import operator
 from math import prod
 from typing import Any
 
@@ -192,6 +194,94 @@ class StepStats:
     def start_ns(self) -> int | None:
         """The earliest start of any recorded execution (None for an empty step)."""
         return min((n.start_ns for n in self.all_nodes()), default=None)
+
+
+# Every field of a node but its start and duration, as a tuple (tests/test_step_shape.py holds it to the fields)
+node_shape = operator.attrgetter("node_name", "op", "thread_id", "scope", "phase", "input_shapes", "input_dtypes",
+                                 "outputs", "category", "args")
+
+
+class StepShape:
+    """What a step's outputs hold besides its times and its step number: its devices (names, threads), every
+    node's fields but its start and duration (`node_shape`), device by device, and its edges, by their nodes'
+    places. Two steps of one shape render to the same graph, the same XSpace metadata and the same timeline
+    but for their times: a renderer keeps what a step's shape decides (`ShapedParts`) and makes only the
+    timed fields for the next step of that shape (a fit's traced steps repeat one). Taken once the stats are
+    complete (their nodes' lists are held, not copied: nothing changes them after)."""
+
+    __slots__ = ("devices", "nodes", "edges", "_same", "kept")
+
+    def __init__(self, stats: StepStats, kept: KeptParts | None = None) -> None:
+        self.kept = kept  # where the step's fit keeps its renderers' parts (None: nothing kept, nothing reused)
+        self.devices = [(dev.device, dict(dev.thread_names)) for dev in stats.dev_stats]
+        self.nodes = [list(map(node_shape, dev.node_stats)) for dev in stats.dev_stats]
+        place = dict(zip(map(id, itertools.chain.from_iterable(dev.node_stats for dev in stats.dev_stats)),
+                         itertools.count()))  # a node's place in the step, its devices' nodes one after another
+        # (an edge's node outside the step, which no tracer makes, is held as itself: compared with its times)
+        self.edges = [(place.get(id(e.producer), e.producer), place.get(id(e.consumer), e.consumer), e.name, e.tensor)
+                      for e in stats.edges]
+        self._same: StepShape | None = None  # the last shape found equal (each renderer asks of the same one)
+
+    def __eq__(self, other: object) -> bool:
+        if other is self._same or other is self:
+            return True
+        same = (isinstance(other, StepShape) and self.devices == other.devices and self.edges == other.edges
+                and self.nodes == other.nodes)
+        if same:
+            self._same = other
+        return same
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def recall(self, renderer: str, context: Any = None) -> Any:
+        """What `renderer` ("timeline", "graph", "xspace") kept of its fit's last step, if that step had this
+        shape (and `context`); else None."""
+        return None if self.kept is None else getattr(self.kept, renderer).parts(self, context)
+
+    def keep(self, renderer: str, context: Any, parts: Any) -> None:
+        """`renderer`'s parts of this step, for its fit's next step of this shape."""
+        if self.kept is not None:
+            getattr(self.kept, renderer).keep(self, context, parts)
+
+
+class ShapedParts:
+    """The parts of one rendered step that its shape decided, for the next step of that shape: where steps
+    are rendered (the render worker, or a training process without one), each renderer keeps its last step's
+    (one step's worth: ~1 KB a node, the three renderers' and the shape together; none of a step of more than
+    `KEEP_NODES_MAX` nodes), until the fit ends (`KeptParts`, one per fit). `parts(shape, context)` gives them
+    when both match; `keep` replaces them (one reference: threads that render at once each see a whole pair,
+    or none)."""
+
+    __slots__ = ("_last",)
+    KEEP_NODES_MAX = 65536
+
+    def __init__(self) -> None:
+        self._last: tuple[StepShape, Any, Any] | None = None
+
+    def parts(self, shape: StepShape | None, context: Any = None) -> Any:
+        last = self._last
+        # (the new shape compared with the kept one, not the other way: what it remembers goes with it)
+        if shape is None or last is None or last[1] != context or shape != last[0]:
+            return None
+        return last[2]
+
+    def keep(self, shape: StepShape | None, context: Any, parts: Any) -> None:
+        if shape is not None and sum(map(len, shape.nodes)) <= self.KEEP_NODES_MAX:
+            self._last = (shape, context, parts)
+
+    def clear(self) -> None:
+        self._last = None
+
+
+class KeptParts:
+    """What each renderer keeps of one fit's last rendered step (`ShapedParts`), where its steps are rendered
+    (the render worker, or the training process without one: `hookprof.hooks.capture.KEPT_PARTS`, by the fit's
+    token, released when the fit ends). A `StepShape` made with them finds them (`recall`, `keep`)."""
+
+    __slots__ = ("timeline", "graph", "xspace")
+
+    def __init__(self) -> None:
+        self.timeline, self.graph, self.xspace = ShapedParts(), ShapedParts(), ShapedParts()
 
 
 def _node_end(node: NodeExecStats) -> int:

@@ -140,9 +140,13 @@ def test_the_hand_encoded_xspace_is_what_protobuf_itself_writes_for_the_same_mes
     kinds = collections.Counter(names[e.metadata_id] for line in space.planes[0].lines for e in line.events)
     assert kinds[xplane.MEMORY_ALLOCATION] > 0 and kinds["aten::addmm"] == 0  # ops carry their scope
     assert any(name.endswith("/aten::addmm") for name in kinds)
-    for value in (0, 1, 127, 128, 2**14 - 1, 2**14, 2**21, 2**28, 2**42 - 1, 2**42, 2**63 - 1, -1, -2**63):
+    values = (0, 1, 127, 128, 2**14 - 1, 2**14, 2**21, 2**28, 2**35, 2**42 - 1, 2**42, 2**49, 2**56, 2**63 - 1,
+              -1, -2**63)
+    together = wire.varints(values)  # (the event offsets' encoder: numpy, all at once)
+    for value, encoded in zip(values, together):
         stat = xplane.message("XStat")(metadata_id=1, int64_value=value)
-        assert stat.SerializeToString() == b"\x08\x01\x20" + wire.varint(value)  # metadata_id 1, int64_value
+        assert stat.SerializeToString() == b"\x08\x01\x20" + wire.varint(value) == b"\x08\x01\x20" + encoded
+    assert wire.varints([2**64 - 1, 2**70]) == [wire.varint(2**64 - 1), wire.varint(2**70)]  # (beyond int64)
 
 
 def test_keep_last_removes_old_profile_runs_with_what_xprof_cached_and_a_refit_never_rewrites_one(tmp_dir):

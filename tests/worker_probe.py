@@ -29,3 +29,13 @@ def burn(cpu_seconds: float) -> int:
     while time.process_time() < end:
         pass
     return os.getpid()
+
+
+def shaped_parts_held() -> int:
+    """How many renderers hold parts of a fit's last step (`hookprof.step_stats.KeptParts`) in this process, the
+    fits' together."""
+    from hookprof.hooks.capture import KEPT_PARTS
+
+    held = (KEPT_PARTS.recall(token) for token in KEPT_PARTS.tokens())
+    return sum(parts._last is not None for kept in held if kept is not None
+               for parts in (kept.timeline, kept.graph, kept.xspace))

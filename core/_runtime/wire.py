@@ -5,6 +5,10 @@ object per field too slow (the TensorBoard step graph, the Profile tab's XSpace)
 
 from __future__ import annotations
 
+from typing import Any
+
+import numpy as np
+
 SMALL = [bytes((i,)) for i in range(128)]
 CONTINUED = [bytes((i | 0x80,)) for i in range(128)]  # a varint's low 7 bits, more to come
 
@@ -37,6 +41,30 @@ def varint(value: int) -> bytes:
 
 
 SIZES = [varint(size) for size in range(2048)]  # the lengths of most encoded events and nodes
+
+
+def varints(values: Any) -> list[bytes]:
+    """`varint` of each of `values`, encoded together (numpy): a step's tens of thousands of event offsets cost
+    a tenth of one `varint` call each. Values outside int64 are encoded one at a time."""
+    try:
+        array = np.asarray(values, dtype=np.int64).view(np.uint64)  # (a negative one: its two's complement)
+    except OverflowError:
+        return [varint(value) for value in values]
+    count = len(array)
+    if not count:
+        return []
+    groups = np.empty((count, 10), dtype=np.uint8)  # each value's 7-bit groups, lowest first
+    lengths = np.ones(count, dtype=np.int64)
+    rest = array.copy()
+    for i in range(10):
+        groups[:, i] = rest & np.uint64(0x7F)
+        rest >>= np.uint64(7)
+        if i < 9:
+            lengths += rest > 0
+    groups[np.arange(10) < lengths[:, None] - 1] |= 0x80  # every group but a value's last: more to come
+    raw = groups.tobytes()
+    firsts = range(0, 10 * count, 10)
+    return [raw[first:first + length] for first, length in zip(firsts, lengths.tolist())]
 
 VARINT, FIXED64, LENGTH_DELIMITED = 0, 1, 2  # wire types
 

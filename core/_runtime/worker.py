@@ -51,6 +51,7 @@ AVAILABLE = os.name == "posix"
 _LENGTH = struct.Struct("<Q")
 _POLL_SECONDS = 0.5  # how often a side waiting for the other checks that it still lives
 _EXIT_SECONDS = 5.0  # how long the training process's exit waits for the worker to finish a call
+FULL_COLLECTION_CALLS = 16  # the worker's cyclic collector looks at what outlives calls once per this many calls
 
 log = logging.getLogger(__name__)
 
@@ -368,9 +369,13 @@ def main(parent: int, preload: tuple[str, ...] = ()) -> None:
             pass
     # The worker builds and drops a step's hundreds of thousands of acyclic objects per call: the cyclic
     # collector runs once after each call, when they are gone (a pass then costs little: what the imports made
-    # is frozen out of it), never while they are alive (a full pass over a 20k-op step cost 120 ms).
+    # is frozen out of it), never while they are alive (a full pass over a 20k-op step cost 120 ms). That pass
+    # looks at what the call made alone; what outlives calls (a fit's identity template, the renderers' last
+    # step: `hookprof.step_stats.ShapedParts`, tens of thousands of objects) is looked at every
+    # FULL_COLLECTION_CALLS calls (a full pass over it cost 10-15 ms: as much as the rest of the pass).
     gc.disable()
     gc.freeze()
+    calls = 0
     requests = sys.stdin.buffer.fileno()
     replies = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # a stray print must not corrupt the replies
@@ -396,7 +401,8 @@ def main(parent: int, preload: tuple[str, ...] = ()) -> None:
         except OSError:  # the training process is gone
             return
         del request, result, data
-        gc.collect()
+        calls += 1
+        gc.collect(2 if calls % FULL_COLLECTION_CALLS == 0 else 1)
 
 
 WORKER = Worker()

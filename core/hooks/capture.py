@@ -34,7 +34,7 @@ from hookprof._runtime.by_fit import ByFit
 from hookprof._runtime.fit_run import on_fit_end
 from hookprof._runtime.warn_once import WarnOnce
 from hookprof.hooks.trigger_watch import CaptureWindow
-from hookprof.step_stats import DeviceStepStats, NodeExecStats, StepStats
+from hookprof.step_stats import DeviceStepStats, KeptParts, NodeExecStats, StepShape, StepStats
 from hookprof.tensorboard.events import EventWriter, SerializedEvent
 from hookprof.trace import format as fmt
 from hookprof.trace import xplane
@@ -230,7 +230,8 @@ class RenderSpec:
     tag: str
     events: bool  # whether to build the TensorBoard step graph and run metadata
     profile_host: str | None = None  # the host name of the step's XSpace for the Profile tab; None: none
-    fit: str | None = None  # the token of the run whose renders keep what they repeat (`GRAPH_NAMES`); None: none
+    # the token of the run whose renders keep what they repeat (`GRAPH_NAMES`, `KEPT_PARTS`); None: none
+    fit: str | None = None
 
 
 @dataclasses.dataclass
@@ -271,9 +272,16 @@ def render_step(source: Any, writer: ChromeTraceWriter, spec: RenderSpec) -> Ren
     if stats.step is None:
         stats.step = spec.run_step
     rendered.dataflow_missing = stats.metadata.get(DATAFLOW_MISSING)
+    # what the outputs hold besides the step's times: a step of the last one's shape reuses its parts
+    kept = None if spec.fit is None else KEPT_PARTS.setdefault(spec.fit, KeptParts)
+    shape = None if kept is None else StepShape(stats, kept)
     try:
-        file_stats = with_recent_steps(stats, spec.capture) if spec.capture is not None else stats
-        rendered.trace = writer.render(file_stats, spec.metadata, spec.distributed)
+        file_stats, file_shape = stats, shape
+        if spec.capture is not None:
+            file_stats = with_recent_steps(stats, spec.capture)
+            if file_stats is not stats and kept is not None:
+                file_shape = StepShape(file_stats, kept)
+        rendered.trace = writer.render(file_stats, spec.metadata, spec.distributed, file_shape)
     except Exception:  # a bug of ours must not end the training run
         rendered.render_error = traceback.format_exc()
     if spec.events:
@@ -282,7 +290,7 @@ def render_step(source: Any, writer: ChromeTraceWriter, spec: RenderSpec) -> Ren
             from hookprof.tensorboard import graph as tensorboard_graph
 
             names = None if spec.fit is None else GRAPH_NAMES.setdefault(spec.fit, tensorboard_graph.GraphNames)
-            events = tensorboard_graph.run_metadata_events(stats, spec.tag, spec.step, names)
+            events = tensorboard_graph.run_metadata_events(stats, spec.tag, spec.step, names, shape)
         except ImportError:
             rendered.events_error = NO_TENSORBOARD
         except Exception:  # a bug of ours must not end the training run
@@ -296,7 +304,7 @@ def render_step(source: Any, writer: ChromeTraceWriter, spec: RenderSpec) -> Ren
         rendered.native_xspace = native
         start = time.perf_counter()
         try:
-            rendered.xspace = xplane.step_xspace(stats, spec.profile_host)
+            rendered.xspace = xplane.step_xspace(stats, spec.profile_host, shape)
         except ImportError:
             rendered.xspace_error = NO_PROTOBUF
         except Exception:  # a bug of ours must not end the training run
@@ -305,9 +313,11 @@ def render_step(source: Any, writer: ChromeTraceWriter, spec: RenderSpec) -> Ren
     return rendered
 
 
-# Where this process renders steps (the render worker, or the training process without one), the step graph's
-# names of each run whose steps it rendered, kept for the run's next steps until its fit ends (see `begin`)
+# Where this process renders steps (the render worker, or the training process without one), what its renders
+# keep of each run for the run's next steps, until its fit ends (see `begin`): the step graph's names, and each
+# renderer's parts of the run's last step (a step of its shape reuses them)
 GRAPH_NAMES: ByFit[GraphNames] = ByFit("graph names")
+KEPT_PARTS: ByFit[KeptParts] = ByFit("kept parts")
 
 RECENT_STEPS_THREAD_ID = 1  # the host pseudo-thread of a trigger's window (the step phases' is 0)
 
@@ -425,10 +435,12 @@ class CapturePipeline:
         self._run_paths.clear()
         self.profile_retention.reset()
         self._last_graph = None  # (a new run's sink gets its graph)
-        # what this run's renders keep from one step to the next, where they run (`GRAPH_NAMES`): the fit's, gone
-        # when it ends (outside a fit, nothing is kept)
+        # what this run's renders keep from one step to the next, where they run (`GRAPH_NAMES`, `KEPT_PARTS`):
+        # the fit's, gone when it ends (outside a fit, nothing is kept)
         token = uuid.uuid4().hex
         self._fit = token if on_fit_end(("graph names", token), GRAPH_NAMES.release, token) else None
+        if self._fit is not None:
+            on_fit_end(("kept parts", token), KEPT_PARTS.release, token)
 
     def room_to_write(self) -> bool:
         """Whether fewer than max_pending_writes of this pipeline's rendered steps wait for the disk, after giving

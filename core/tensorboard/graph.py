@@ -21,8 +21,8 @@ import re
 from typing import Any
 
 from hookprof._runtime.gc_pause import paused_gc
-from hookprof._runtime.wire import CONTINUED, SIZES, delimited, int_field, str_field, varint
-from hookprof.step_stats import KernelsOf, StepStats
+from hookprof._runtime.wire import SIZES, delimited, int_field, str_field, varint, varints
+from hookprof.step_stats import KernelsOf, StepShape, StepStats
 from hookprof.trace import format as fmt
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.\-/>]")
@@ -71,14 +71,12 @@ def _shape(shape: tuple[int, ...]) -> bytes:
 
 class _Signatures:
     """The encoded fields that many nodes of a device share, made once per step: those a node's op, phase,
-    output tensors and thread decide (most nodes of a step repeat a few dozen of these), and the compute
-    time fields of each duration."""
+    output tensors and thread decide (most nodes of a step repeat a few dozen of these)."""
 
     def __init__(self, device: bytes) -> None:
         self.device = device
         self.device_field = delimited(b"\x22", device) if device else b""  # NodeDef.device (4)
         self.fields: dict[tuple, tuple[bytes, bytes, bytes, bytes]] = {}
-        self.durations: dict[int, bytes] = {}
         self.outputs: dict[tuple, bytes] = {}
 
     def of(self, signature: tuple) -> tuple[bytes, bytes, bytes, bytes]:
@@ -110,12 +108,6 @@ class _Signatures:
                 parts.append(delimited(b"\x3a", int_field(b"\x08", slot) + delimited(b"\x1a", description)))
             entry = self.outputs[key] = b"".join(parts)
         return entry
-
-    def duration(self, micros: int) -> bytes:
-        """NodeExecStats.op_end_rel_micros (4) and all_end_rel_micros (5): the op's compute time."""
-        fields = varint(micros)
-        fields = self.durations[micros] = b"\x20%s\x28%s" % (fields, fields)
-        return fields
 
 
 def _output_key(node: Any) -> tuple:
@@ -174,17 +166,63 @@ class _Names:
         return named
 
 
-def graph_and_run_metadata(stats: StepStats, names: GraphNames | None = None) -> tuple[bytes, bytes]:
+def graph_and_run_metadata(stats: StepStats, names: GraphNames | None = None, shape: StepShape | None = None
+                           ) -> tuple[bytes, bytes]:
     """The step's dataflow graph (a serialised `GraphDef`: ops as nodes, tensors as edges, module scopes as
     name scopes) and its serialised `RunMetadata` (per-node start, compute time, outputs and bytes
     allocated), in one pass over the step (the garbage collector paused: a full pass over a large step's
     objects cost as much as building its graph). `names`: the graph names kept from the fit's earlier steps
-    (None: this step's own)."""
+    (None: this step's own). With the step's `shape`: a step of its fit's last one's shape takes its graph and
+    its nodes' untimed fields from it (`StepShape.recall`), and this one's are kept for the next."""
     with paused_gc():
-        return _graph_and_run_metadata(stats, (names if names is not None else GraphNames()).named)
+        if stats.allocations:  # (their bytes are in their nodes' stats: not decided by the shape)
+            shape = None
+        parts = None if shape is None else shape.recall("graph")
+        if parts is not None:
+            return parts[0], _timed_run_metadata(stats, parts[1])
+        kept: list[tuple[bytes, list[tuple[bytes, bytes] | None]]] | None = [] if shape is not None else None
+        graph, metadata = _graph_and_run_metadata(stats, (names if names is not None else GraphNames()).named, kept)
+        if shape is not None:
+            shape.keep("graph", None, (graph, kept))
+        return graph, metadata
 
 
-def _graph_and_run_metadata(stats: StepStats, named: dict[tuple[str, str], tuple[bytes, bytes]]
+def _timed_run_metadata(stats: StepStats, kept: list[tuple[bytes, list[tuple[bytes, bytes] | None]]]) -> bytes:
+    """`_graph_and_run_metadata`'s RunMetadata from what the step's shape decides (`kept`: per device, its
+    device field and, per node, None for a node that is no op, else its name's field and its output and label
+    fields) and the nodes' times."""
+    durations: dict[int, bytes] = {}
+    devices = []
+    for dev, (device_field, fields) in zip(stats.dev_stats, kept):
+        node_stats = [device_field]
+        for node, node_fields, start in zip(dev.node_stats, fields, _start_fields(dev.node_stats)):
+            if node_fields is not None:
+                micros = max(1, node.duration_ns // 1000)
+                body = (node_fields[0] + start + (durations.get(micros) or _duration(micros, durations))
+                        + node_fields[1])
+                size = len(body)
+                node_stats.append(b"\x12" + (SIZES[size] if size < 2048 else varint(size)) + body)
+        devices.append(delimited(b"\x0a", b"".join(node_stats)))
+    return delimited(b"\x0a", b"".join(devices)) if devices else b""
+
+
+def _start_fields(nodes: list[Any]) -> list[bytes]:
+    """NodeExecStats.all_start_micros (2) of each node (microseconds since the epoch; proto3 leaves out 0),
+    encoded together (`varints`)."""
+    return [b"\x10" + start if start != b"\x00" else b""
+            for start in varints([node.start_ns // 1000 for node in nodes])]
+
+
+def _duration(micros: int, durations: dict[int, bytes]) -> bytes:
+    """NodeExecStats.op_end_rel_micros (4) and all_end_rel_micros (5): the op's compute time (`durations`:
+    those fields by their value)."""
+    fields = varint(micros)
+    fields = durations[micros] = b"\x20%s\x28%s" % (fields, fields)
+    return fields
+
+
+def _graph_and_run_metadata(stats: StepStats, named: dict[tuple[str, str], tuple[bytes, bytes]],
+                            kept: list[tuple[bytes, list[tuple[bytes, bytes] | None]]] | None = None
                             ) -> tuple[bytes, bytes]:
     name_of = _Names(named)
     inputs: dict[int, list[bytes]] = {}  # id(consumer) -> its NodeDef.input (3) fields
@@ -198,9 +236,7 @@ def _graph_and_run_metadata(stats: StepStats, named: dict[tuple[str, str], tuple
         if alloc.producer is not None:
             allocated[id(alloc.producer)] = allocated.get(id(alloc.producer), 0) + alloc.nbytes
 
-    continued, sizes = CONTINUED, SIZES
-    # all_start_micros: microseconds since the epoch, whose bits above the lowest 7 a step's ops share mostly
-    starts: dict[int, bytes] = {}
+    sizes = SIZES
     graph: list[bytes] = []
     devices: list[bytes] = []
     # An op that ran kernels (itself or through the ops nested in it) ran on their device, as TF placed it:
@@ -209,12 +245,17 @@ def _graph_and_run_metadata(stats: StepStats, named: dict[tuple[str, str], tuple
     kernels_of = KernelsOf(stats)
     output_keys: dict[tuple[int, ...], tuple] = {}  # ids of a node's output tensors (their nodes hold them) -> key
     placed: dict[int, _Signatures] = {}  # kernel device index in dev_stats -> its signatures
+    durations: dict[int, bytes] = {}
     for dev in stats.dev_stats:
         own = _Signatures(tf_device(dev.device).encode())
-        durations, device = own.durations, own.device
-        node_stats: list[bytes] = [delimited(b"\x0a", device)] if device else []  # DeviceStepStats.device (1)
-        for node in dev.node_stats:
+        device_field = delimited(b"\x0a", own.device) if own.device else b""  # DeviceStepStats.device (1)
+        node_stats: list[bytes] = [device_field]
+        shaped: list[tuple[bytes, bytes] | None] = []  # (what `kept` gets: this device's nodes' untimed fields)
+        if kept is not None:
+            kept.append((device_field, shaped))
+        for node, start in zip(dev.node_stats, _start_fields(dev.node_stats)):
             if node.category != fmt.CAT_OP:
+                shaped.append(None)
                 continue
             name_field = (named.get((node.node_name, node.phase)) or name_of(node))[1]
             key = None
@@ -239,20 +280,14 @@ def _graph_and_run_metadata(stats: StepStats, named: dict[tuple[str, str], tuple
             graph.append(b"\x0a" + (sizes[size] if size < 2048 else varint(size)) + fields)
             # DeviceStepStats.node_stats (2): NodeExecStats node_name (1), all_start_micros (2),
             # op_end_rel_micros (4), all_end_rel_micros (5), memory (6), output (7), timeline_label (8), thread_id (10)
-            start, micros = node.start_ns // 1000, max(1, node.duration_ns // 1000)
-            if start >= 128:
-                high = starts.get(start >> 7)
-                if high is None:
-                    high = starts[start >> 7] = varint(start >> 7)
-                start_field = b"\x10" + continued[start & 0x7F] + high
-            else:
-                start_field = int_field(b"\x10", start)
+            micros = max(1, node.duration_ns // 1000)
             nbytes = allocated.get(id(node))
             if nbytes is not None:  # AllocatorMemoryUsed allocator_name (1), total_bytes (2), peak_bytes (3)
                 outputs = delimited(b"\x32", str_field(b"\x0a", shared.device.decode()) + int_field(b"\x10", nbytes) +
                                int_field(b"\x18", nbytes)) + outputs
-            fields = b"".join((name_field, start_field, durations.get(micros) or own.duration(micros), outputs,
-                               label))
+            shaped.append((name_field, outputs + label))
+            fields = b"".join((name_field, start,
+                               durations.get(micros) or _duration(micros, durations), outputs, label))
             size = len(fields)
             node_stats.append(b"\x12" + (sizes[size] if size < 2048 else varint(size)) + fields)
         devices.append(delimited(b"\x0a", b"".join(node_stats)))  # StepStats.dev_stats (1)
@@ -275,14 +310,15 @@ def run_metadata(stats: StepStats) -> Any:
     return RunMetadata.FromString(graph_and_run_metadata(stats)[1])
 
 
-def run_metadata_events(stats: StepStats, tag: str, step: int, names: GraphNames | None = None) -> list[Any]:
+def run_metadata_events(stats: StepStats, tag: str, step: int, names: GraphNames | None = None,
+                        shape: StepShape | None = None) -> list[Any]:
     """TF's `add_run_metadata(run_metadata, tag)` as the two events it writes: the step's graph and its
-    tagged run metadata (built here, off the disk's time; an event sink writes them: see `events`); `names`:
+    tagged run metadata (built here, off the disk's time; an event sink writes them: see `events`); `names`, `shape`:
     see `graph_and_run_metadata`."""
     from tensorboard.compat.proto.event_pb2 import TaggedRunMetadata
 
     from hookprof.tensorboard.events import new_event
 
-    graph, metadata = graph_and_run_metadata(stats, names)
+    graph, metadata = graph_and_run_metadata(stats, names, shape)
     return [new_event(step, graph_def=graph),
             new_event(step, tagged_run_metadata=TaggedRunMetadata(tag=tag, run_metadata=metadata))]

@@ -30,7 +30,7 @@ import orjson
 from hookprof._runtime import arguments
 from hookprof._runtime.atomic_file import atomic_write
 from hookprof._runtime.gc_pause import paused_gc
-from hookprof.step_stats import KernelsOf, NodeExecStats, StepStats, TensorDescription
+from hookprof.step_stats import KernelsOf, NodeExecStats, StepShape, StepStats, TensorDescription
 from hookprof.trace import format as fmt
 
 log = logging.getLogger(__name__)
@@ -165,11 +165,12 @@ class ChromeTraceWriter:
         self.compress = compress
         self.max_events = arguments.check_optional_cap("ChromeTraceWriter", "max_events", max_events)
 
-    def events(self, stats: StepStats, process_prefix: str = "", base: int | None = None
-               ) -> Iterator[dict[str, Any]]:
+    def events(self, stats: StepStats, process_prefix: str = "", base: int | None = None,
+               shape: StepShape | None = None) -> Iterator[dict[str, Any] | orjson.Fragment]:
         """The trace events of `stats`: metadata first, then ops, flows and memory; times from `base` (ns,
         default the step's first event). Argument shapes and sizes are `orjson.Fragment`s (JSON serialised
-        once per signature and shared): serialise the events with orjson."""
+        once per signature and shared): serialise the events with orjson. With the step's `shape`, the op
+        events come serialised (`_shaped_op_events`)."""
         if base is None:
             base = stats.start_ns() or 0
         for pid, dev in enumerate(stats.dev_stats):
@@ -182,13 +183,13 @@ class ChromeTraceWriter:
                        "args": {"sort_index": order}}
         # the step span is named as torch.profiler names it, so HTA and torch's tools find iterations
         step_name = f"{fmt.PROFILER_STEP_PREFIX}{stats.step if stats.step is not None else 0}"
-        inputs: _InputsMemo = {}
-        for pid, dev in enumerate(stats.dev_stats):
-            for node in dev.node_stats:
-                event = _op_event(node, pid, base, inputs)
-                if node.category == fmt.CAT_SPAN and node.op == fmt.TRAIN_STEP:
-                    event["name"] = step_name
-                yield event
+        if shape is not None:
+            yield from _shaped_op_events(stats, base, step_name, shape)
+        else:
+            inputs: _InputsMemo = {}
+            for pid, dev in enumerate(stats.dev_stats):
+                for node in dev.node_stats:
+                    yield _step_op_event(node, pid, base, inputs, step_name)
         if self.show_dataflow:
             yield from _launch_flows(stats, base)
             yield from _tensor_flows(stats, base)
@@ -203,14 +204,17 @@ class ChromeTraceWriter:
             return self._serialize(raw, stats, metadata, distributed)
 
     def render(self, stats: StepStats, metadata: dict[str, Any] | None = None,
-               distributed: dict[str, Any] | None = None) -> tuple[ChunkBuffer, WriteResult]:
-        """What `write` puts in the file, in memory: the bytes (to `write_to` a file later) and the result."""
+               distributed: dict[str, Any] | None = None, shape: StepShape | None = None
+               ) -> tuple[ChunkBuffer, WriteResult]:
+        """What `write` puts in the file, in memory: the bytes (to `write_to` a file later) and the result.
+        `shape`: the step's (`hookprof.step_stats.StepShape`), for a next step of the same shape to reuse what
+        it decides."""
         buffer = ChunkBuffer()
-        result = self._serialize(buffer, stats, metadata, distributed)
+        result = self._serialize(buffer, stats, metadata, distributed, shape)
         return buffer, result
 
     def _serialize(self, raw: Any, stats: StepStats, metadata: dict[str, Any] | None,
-                   distributed: dict[str, Any] | None) -> WriteResult:
+                   distributed: dict[str, Any] | None, shape: StepShape | None = None) -> WriteResult:
         extra: dict[str, Any] = {fmt.STEP: stats.step}
         if self.show_memory and stats.memory_samples:
             extra[fmt.PEAK_ALLOCATED_BYTES] = stats.peak_allocated()
@@ -225,7 +229,8 @@ class ChromeTraceWriter:
             prefix = fmt.rank_prefix(distributed.get(fmt.RANK, 0))
         head = {fmt.DISTRIBUTED_INFO: distributed} if distributed else None
         with paused_gc():
-            return serialize_trace(raw, self.events(stats, prefix, base), tail, self.compress, self.max_events, head)
+            return serialize_trace(raw, self.events(stats, prefix, base, shape), tail, self.compress, self.max_events,
+                                   head)
 
 
 # One write's serialised argument signatures, by (dtype list identity, shapes JSON or shapes list identity):
@@ -233,6 +238,55 @@ class ChromeTraceWriter:
 # shared, as orjson fragments, by every op that has it (tracers share one dtype list per signature, kineto's
 # one shapes list; the nodes hold them alive); and its output tensors, by identity (their nodes hold them).
 _InputsMemo = dict
+
+
+def _step_op_event(node: NodeExecStats, pid: int, base: int, inputs: _InputsMemo, step_name: str) -> dict[str, Any]:
+    """`_op_event`, the step's span named as torch.profiler names it."""
+    event = _op_event(node, pid, base, inputs)
+    if node.category == fmt.CAT_SPAN and node.op == fmt.TRAIN_STEP:
+        event["name"] = step_name
+    return event
+
+
+def _shaped_op_events(stats: StepStats, base: int, step_name: str, shape: StepShape
+                      ) -> Iterator[dict[str, Any] | orjson.Fragment]:
+    """The op events of `_op_event`, serialised: each its untimed head and tail (up to its start, and from its
+    args on: what the step's shape decides, taken from the fit's last step of this shape (`StepShape.recall`),
+    or made and kept for the next) around its times (serialised together, by orjson as it serialises them in an event).
+    The step's span, whose name has its number, comes as `_op_event` makes it."""
+    kept = shape.recall("timeline")
+    made: list[list[tuple[bytes, bytes] | None]] | None = None if kept is not None else []
+    inputs: _InputsMemo = {}
+    dur = b',"dur":'
+    for pid, dev in enumerate(stats.dev_stats):
+        nodes = dev.node_stats
+        times = orjson.dumps([t for node in nodes for t in ((node.start_ns - base) / 1000, node.duration_ns / 1000)])
+        times = times[1:-1].split(b",")
+        starts, durations = iter(times[0::2]), iter(times[1::2])
+        if made is not None:
+            parts: list[tuple[bytes, bytes] | None] = []
+            made.append(parts)
+            for node, start, duration in zip(nodes, starts, durations):
+                event = _op_event(node, pid, base, inputs)
+                if node.category == fmt.CAT_SPAN and node.op == fmt.TRAIN_STEP:
+                    event["name"] = step_name
+                    parts.append(None)
+                    yield event
+                    continue
+                args = event.pop("args")
+                del event["ts"], event["dur"]
+                head, tail = orjson.dumps(event)[:-1] + b',"ts":', b',"args":' + orjson.dumps(args) + b"}"
+                parts.append((head, tail))
+                yield orjson.Fragment(head + start + dur + duration + tail)
+        else:
+            for node, part, start, duration in zip(nodes, kept[pid], starts, durations):
+                if part is None:
+                    yield _step_op_event(node, pid, base, inputs, step_name)
+                else:
+                    yield orjson.Fragment(part[0] + start + dur + duration + part[1])
+    if made is not None:
+        shape.keep("timeline", None, made)
+
 
 
 def _op_event(node: NodeExecStats, pid: int, base: int, inputs: _InputsMemo) -> dict[str, Any]:

@@ -32,14 +32,28 @@ nodes alike share encoded once (a 20k-op step: ~0.12 s, where building the messa
 
 from __future__ import annotations
 
+import collections
+import dataclasses
+import itertools
 import struct
+from collections.abc import Iterable
 from typing import Any
 
 import orjson
 
 from hookprof._runtime.gc_pause import paused_gc
-from hookprof._runtime.wire import FIXED64, LENGTH_DELIMITED, SIZES, VARINT, delimited, int_field, tag, varint
-from hookprof.step_stats import AllocatorSample, NodeExecStats, StepStats, TensorAllocation
+from hookprof._runtime.wire import (
+    FIXED64,
+    LENGTH_DELIMITED,
+    SIZES,
+    VARINT,
+    delimited,
+    int_field,
+    tag,
+    varint,
+    varints,
+)
+from hookprof.step_stats import AllocatorSample, NodeExecStats, StepShape, StepStats, TensorAllocation
 from hookprof.trace import format as fmt
 
 HOST_PLANE = "/host:CPU"  # tsl's kHostThreadsPlaneName; hookprof's host device has the same name
@@ -204,12 +218,43 @@ class _Plane:
         self.display_names: dict[int, str] = {}  # an event metadata's display name, where it has one
         self._stats: dict[str, int] = {}
         self._encoded: dict[tuple[str, Any, type], bytes] = {}
+        self.fixed = (0, 0)  # the event and stat metadata interned before `fix()`
+        self.touched = False  # whether any was looked up again after it
+        self._taken: tuple[tuple[dict[str, int], bytes], tuple[dict[str, int], bytes]] | None = None  # (`intern`)
+        self.kept_metadata: tuple[bytes, ...] = ()  # (`encode`)
 
     def event_id(self, name: str) -> int:
-        return _interned(self._events, name)
+        return self._interned(self._events, 0, name)
 
     def stat_id(self, name: str) -> int:
-        return _interned(self._stats, name)
+        return self._interned(self._stats, 1, name)
+
+    def _interned(self, ids: dict[str, int], kind: int, name: str) -> int:
+        """The id of metadata `name` in `ids` (the next id on first use); `kind`: its place in `fixed`."""
+        found = ids.get(name)
+        if found is None:
+            found = ids[name] = len(ids) + 1
+        elif found <= self.fixed[kind]:
+            self.touched = True
+        return found
+
+    def fix(self) -> None:
+        """Mark the metadata interned so far (a step's own: its number, its marker's name): what is interned
+        after it, and whether that looked any of these up (`touched`), is what a next step of the same shape
+        may take (`_ShapedHost`)."""
+        self.fixed, self.touched = (len(self._events), len(self._stats)), False
+
+    def interned_since_fixed(self) -> tuple[dict[str, int], dict[str, int]]:
+        """The event and stat metadata interned after `fix()`, by name."""
+        return (dict(itertools.islice(self._events.items(), self.fixed[0], None)),
+                dict(itertools.islice(self._stats.items(), self.fixed[1], None)))
+
+    def intern(self, events: dict[str, int], stats: dict[str, int], encoded: tuple[bytes, bytes]) -> None:
+        """Take metadata interned after `fix()` in another plane whose `fix()` came at the same counts, and their
+        entries as it encoded them (its `kept_metadata`)."""
+        self._events.update(events)
+        self._stats.update(stats)
+        self._taken = ((events, encoded[0]), (stats, encoded[1]))
 
     def stat(self, name: str, value: Any) -> bytes:
         """An XStat of `name`: ints as int64, floats as double, strings by reference (each distinct string is
@@ -241,27 +286,44 @@ class _Plane:
         self.lines.append(delimited(_PLANE_LINE, int_field(_LINE_ID, line_id) + delimited(_LINE_NAME, name.encode())
                                     + b"".join(events) + int_field(_LINE_DISPLAY_ID, line_id)))
 
-    def encode(self) -> bytes:
-        """The plane's bytes: its lines, its metadata maps (entries of key 1, value 2), its own stats."""
+    def encode(self, since_fixed: tuple[int, int] | None = None) -> bytes:
+        """The plane's bytes: its lines, its metadata maps (entries of key 1, value 2), its own stats.
+        `since_fixed`: how many event and stat metadata interned after `fix()` to keep encoded (`kept_metadata`,
+        for a next step that `intern`s them); metadata interned so from another plane is written as it encoded
+        it."""
         metadata = []
-        for field, ids in ((_PLANE_EVENT_METADATA, self._events), (_PLANE_STAT_METADATA, self._stats)):
-            shown = self.display_names if ids is self._events else {}
-            for name, key in ids.items():  # (a step has thousands: `delimited` and `int_field` inlined; ids > 0)
-                encoded_key, encoded_name = varint(key), name.encode()
-                body = _ID + encoded_key + _NAME + varint(len(encoded_name)) + encoded_name
-                if key in shown:
-                    body += delimited(_DISPLAY_NAME, shown[key].encode())
-                entry = _KEY + encoded_key + _VALUE + varint(len(body)) + body
-                metadata.append(field + varint(len(entry)) + entry)
+        kept = []
+        maps = ((_PLANE_EVENT_METADATA, self._events), (_PLANE_STAT_METADATA, self._stats))
+        for kind, (field, ids) in enumerate(maps):
+            shown = self.display_names if kind == 0 else {}
+            items = iter(ids.items())
+            taken = self._taken[kind] if self._taken is not None else None
+            count = len(taken[0]) if taken is not None else since_fixed[kind] if since_fixed is not None else None
+            if count is not None:
+                metadata.append(_metadata(field, itertools.islice(items, self.fixed[kind]), shown))
+                middle = itertools.islice(items, count)
+                if taken is not None:
+                    collections.deque(middle, maxlen=0)  # (skipped: encoded in `taken`)
+                    kept.append(taken[1])
+                else:
+                    kept.append(_metadata(field, middle, shown))
+                metadata.append(kept[-1])
+            metadata.append(_metadata(field, items, shown))
+        self.kept_metadata = tuple(kept)
         return self.head + b"".join(self.lines) + b"".join(metadata) + b"".join(self.stats)
 
 
-def _interned(ids: dict[str, int], name: str) -> int:
-    """The id of metadata `name` in a plane's `ids` (the next id on first use)."""
-    found = ids.get(name)
-    if found is None:
-        found = ids[name] = len(ids) + 1
-    return found
+def _metadata(field: bytes, items: Iterable[tuple[str, int]], shown: dict[int, str]) -> bytes:
+    """Metadata map entries (`field`: the plane's event or stat metadata), of `items` (name, id)."""
+    metadata = []
+    for name, key in items:  # (a step has thousands: `delimited` and `int_field` inlined; ids > 0)
+        encoded_key, encoded_name = varint(key), name.encode()
+        body = _ID + encoded_key + _NAME + varint(len(encoded_name)) + encoded_name
+        if key in shown:
+            body += delimited(_DISPLAY_NAME, shown[key].encode())
+        entry = _KEY + encoded_key + _VALUE + varint(len(body)) + body
+        metadata.append(field + varint(len(entry)) + entry)
+    return b"".join(metadata)
 
 
 def _event(metadata_id: int, offset_ps: int, duration_ps: int, stats: bytes) -> bytes:
@@ -287,14 +349,16 @@ def _event_fields(head: bytes, offset_ps: int, duration: bytes, stats: bytes) ->
     return _LINE_EVENT + (SIZES[size] if size < 2048 else varint(size)) + body
 
 
-def step_xspace(stats: StepStats, hostname: str) -> bytes:
+def step_xspace(stats: StepStats, hostname: str, shape: StepShape | None = None) -> bytes:
     """One traced step as a serialized `XSpace` for xprof (see the module's doc): the host device's threads,
-    the step's phases and, where recorded, its allocations; each CUDA device that ran kernels, a GPU plane."""
+    the step's phases and, where recorded, its allocations; each CUDA device that ran kernels, a GPU plane.
+    With the step's `shape` (`hookprof.step_stats.StepShape`): a step of the last one's shape takes its host
+    events' metadata and stats from it, and this one's are kept for the next."""
     with paused_gc():  # (its many small objects made the collector's full passes over the step's nodes cost 2x)
-        return _step_xspace(stats, hostname)
+        return _step_xspace(stats, hostname, shape)
 
 
-def _step_xspace(stats: StepStats, hostname: str) -> bytes:
+def _step_xspace(stats: StepStats, hostname: str, shape: StepShape | None = None) -> bytes:
     step = stats.step if stats.step is not None else 0
     host = next((dev for dev in stats.dev_stats if dev.device == HOST_PLANE), None)
     nodes = host.node_stats if host is not None else []
@@ -316,44 +380,73 @@ def _step_xspace(stats: StepStats, hostname: str) -> bytes:
 
     plane = _Plane(1, HOST_PLANE)
     group = plane.stat(GROUP_ID, step)
-    described: dict[tuple, tuple[bytes, bytes]] = {}  # what nodes alike have: their metadata and stats
-    unscoped: dict[tuple, tuple[bytes, bytes]] = {}  # the same but their scope: the stats around it
-    shapes_json: dict[int, bytes] = {}  # id(a node's input shapes) -> them as JSON (the nodes hold them)
-    durations: dict[int, bytes] = {}  # a duration in ns -> its field
     threads: dict[int, list[NodeExecStats]] = {}
     for node in nodes:
         threads.setdefault(node.thread_id, []).append(node)
     thread_names = host.thread_names if host is not None else {}
     step_thread = _step_thread(thread_names)
-    for tid in sorted(threads, key=lambda t: (t != step_thread, t)):
-        line_nodes = sorted(threads[tid], key=lambda n: (n.start_ns, -n.duration_ns))
-        events = []
-        if tid == step_thread and step_span is not None:
-            events.append(_event(plane.event_id(marker), (step_span[0] - base) * 1000,
-                                 (step_span[1] - step_span[0]) * 1000,
-                                 group + plane.stat(STEP_NAME, marker) + plane.stat(STEP_NUM, step)))
-        for node in line_nodes:
+    marker_event = None  # (the step thread's line comes first, the marker first in it)
+    if step_thread in threads and step_span is not None:
+        marker_event = _event(plane.event_id(marker), (step_span[0] - base) * 1000,
+                              (step_span[1] - step_span[0]) * 1000,
+                              group + plane.stat(STEP_NAME, marker) + plane.stat(STEP_NUM, step))
+    plane.fix()
+    lines = [(tid, sorted(threads[tid], key=lambda n: (n.start_ns, -n.duration_ns)))
+             for tid in sorted(threads, key=lambda t: (t != step_thread, t))]
+    kept = None if shape is None else shape.recall("xspace")
+    if kept is not None and not kept.fits(plane, lines, threads):
+        kept = None
+    made = _ShapedHost(plane.fixed, []) if shape is not None and kept is None else None
+    durations: dict[int, bytes] = {}  # a duration in ns -> its field
+    described: dict[tuple, tuple[bytes, bytes]] = {}  # what nodes alike have: their metadata and stats but group
+    unscoped: dict[tuple, tuple[bytes, bytes]] = {}  # the same but their scope: the stats around it
+    shapes_json: dict[int, bytes] = {}  # id(a node's input shapes) -> them as JSON (the nodes hold them)
+    line_event, sizes, skip = _LINE_EVENT, SIZES, len(group)
+    for number, (tid, line_nodes) in enumerate(lines):
+        events = [marker_event] if tid == step_thread and marker_event is not None else []
+        offsets = varints([(node.start_ns - base) * 1000 for node in line_nodes])
+        parts = kept.lines[number] if kept is not None else []
+        if made is not None:
+            made.lines.append(parts)
+        for node, offset, part in zip(line_nodes, offsets, parts or itertools.repeat(None)):
             if node.category == fmt.CAT_SPAN and node.op == fmt.TRAIN_STEP:
+                if made is not None:
+                    parts.append(None)
                 continue  # the marker above holds it
-            # nodes alike share their metadata and stats (the dtypes list is one per signature: see kineto_trace)
-            shapes = None
-            if node.input_shapes:  # (kineto's steps share one list per signature: serialised once)
-                shapes = shapes_json.get(id(node.input_shapes))
-                if shapes is None:
-                    shapes = shapes_json[id(node.input_shapes)] = orjson.dumps(node.input_shapes)
-            signature = (node.category, node.op, node.scope, node.phase, shapes, id(node.input_dtypes))
-            found = described.get(signature)
-            if found is None:  # (the nodes, so their lists, live as long as this: ids are not reused)
-                key, node_stats = _node_stats(plane, node, group, shapes, unscoped)
-                found = described[signature] = (_event_head(key), node_stats)
+            if part is None:  # (a step not of the last one's shape)
+                # nodes alike share their metadata and stats (the dtypes list is one per signature: kineto_trace)
+                shapes = None
+                if node.input_shapes:  # (kineto's steps share one list per signature: serialised once)
+                    shapes = shapes_json.get(id(node.input_shapes))
+                    if shapes is None:
+                        shapes = shapes_json[id(node.input_shapes)] = orjson.dumps(node.input_shapes)
+                signature = (node.category, node.op, node.scope, node.phase, shapes, id(node.input_dtypes))
+                part = described.get(signature)
+                if part is None:  # (the nodes, so their lists, live as long as this: ids are not reused)
+                    key, node_stats = _node_stats(plane, node, group, shapes, unscoped)
+                    part = described[signature] = (_event_head(key), node_stats[skip:])  # (it starts with group)
+                if made is not None:
+                    parts.append(part)
             duration = durations.get(node.duration_ns)
             if duration is None:
                 duration = durations[node.duration_ns] = _duration(node.duration_ns * 1000)
-            events.append(_event_fields(found[0], (node.start_ns - base) * 1000, duration, found[1]))
+            # (`_event_fields`, inlined: this runs for every event)
+            body = part[0] + offset + duration + group + part[1]
+            size = len(body)
+            events.append(line_event + (sizes[size] if size < 2048 else varint(size)) + body)
         plane.add_line(tid, thread_names.get(tid, f"thread {tid}"), events)
+    if kept is not None:
+        plane.intern(kept.events, kept.stats, kept.metadata)
+    elif made is not None:
+        made.in_order = all(line == threads[tid] for tid, line in lines)
+        made.touched = plane.touched
+        made.events, made.stats = plane.interned_since_fixed()
     _add_memory(plane, stats, base, group)
 
-    planes = [plane.encode()]
+    planes = [plane.encode((len(made.events), len(made.stats)) if made is not None else None)]
+    if made is not None:
+        made.metadata = plane.kept_metadata
+        shape.keep("xspace", None, made)
     if devices:
         ops = {n.node_name: n for n in nodes if n.category == fmt.CAT_OP}
         properties = {p.get("id"): p for p in stats.metadata.get(fmt.DEVICE_PROPERTIES) or ()}
@@ -366,6 +459,35 @@ def _step_xspace(stats: StepStats, hostname: str) -> bytes:
         task.stats.append(delimited(_PLANE_STAT, stat))
     planes.append(task.encode())
     return b"".join(delimited(_SPACE_PLANE, p) for p in planes) + delimited(_SPACE_HOSTNAME, hostname.encode())
+
+
+@dataclasses.dataclass
+class _ShapedHost:
+    """What the host plane of a step's XSpace took from its shape: per line, per node in line order, its event's
+    metadata field and its stats but the step's `group_id` (None for the step's span, which the marker holds);
+    the metadata its nodes interned, after the step's own (`fixed`: their counts), and its map entries, encoded
+    (the metadata interned after them, of allocations, is the step's own); whether its nodes looked
+    any of the step's own up (`touched`); whether each line's nodes were in the step's order."""
+
+    fixed: tuple[int, int]
+    lines: list[list[tuple[bytes, bytes] | None]]
+    events: dict[str, int] = dataclasses.field(default_factory=dict)
+    stats: dict[str, int] = dataclasses.field(default_factory=dict)
+    metadata: tuple[bytes, ...] = ()  # their entries, encoded (events', stats')
+    touched: bool = False
+    in_order: bool = False
+
+    def fits(self, plane: _Plane, lines: list[tuple[int, list[NodeExecStats]]],
+             threads: dict[int, list[NodeExecStats]]) -> bool:
+        """Whether a step of the same shape whose plane interned its own metadata (`fix()`ed) and whose lines
+        are `lines` encodes its nodes as this one did: its lines' nodes in its order too (so in the same order
+        as this one's), its own metadata as many, none of them interned by this one's nodes (a node's name
+        equal to the new step's marker), and none of this one's looked up by its nodes."""
+        return (self.in_order and not self.touched and plane.fixed == self.fixed
+                and all(line == threads[tid] for tid, line in lines)
+                and not any(name in self.events for name in plane._events)
+                and not any(name in self.stats for name in plane._stats))
+
 
 
 def _step_thread(thread_names: dict[int, str]) -> int | None:

@@ -1,0 +1,131 @@
+"""A step of the last rendered one's shape reuses what that shape decided (`hookprof.step_stats.StepShape`): its
+timeline, step graph, run metadata and XSpace are byte for byte what rendering it alone writes, and a step of
+another shape, or whose threads' events came in another order, reuses nothing."""
+
+import copy
+import dataclasses
+
+import lightning as L
+import pytest
+import torch
+
+from hookprof._runtime import worker
+from hookprof.hooks import CaptureOptions
+from hookprof.run_options import RunOptions, TraceLevel
+from hookprof.step_stats import KeptParts, NodeExecStats, ShapedParts, StepShape, node_shape
+from hookprof.tensorboard import graph
+from hookprof.trace import xplane
+from hookprof.trace.writer import ChromeTraceWriter
+from hookprof.tracing.torch_tracer import TorchTracer
+from lightning_prof import ProfilerHook
+from tests import worker_probe
+from tests.lightning_models import TinyModel, loader, trainer
+
+
+def test_a_nodes_shape_is_every_field_but_its_times():
+    fields = [f.name for f in dataclasses.fields(NodeExecStats) if f.name not in ("start_ns", "duration_ns")]
+    node = NodeExecStats(**{f.name: f"value of {f.name}" for f in dataclasses.fields(NodeExecStats)})
+    assert sorted(node_shape(node)) == sorted(f"value of {name}" for name in fields)
+
+
+def traced_steps(count, memory=False):
+    """`count` real training steps of one model, traced with dataflow (and memory) (steps 7, 8, ...)."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    tracer = TorchTracer(model)
+    steps = []
+    for step in range(7, 7 + count):
+        tracer.start(RunOptions(trace_level=TraceLevel.FULL_TRACE, record_dataflow=True, record_memory=True))
+        model(torch.randn(4, 8)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        stats = tracer.stop()
+        stats.step = step
+        if not memory:
+            stats.allocations, stats.memory_samples = [], []
+        steps.append(stats)
+    return steps
+
+
+def outputs(stats, shape=None):
+    """The step's timeline bytes, GraphDef, RunMetadata and XSpace, reusing the last step's parts with `shape`."""
+    trace = b"".join(ChromeTraceWriter().render(stats, {"run": 1}, shape=shape)[0].chunks)
+    return (trace, *graph.graph_and_run_metadata(stats, shape=shape), xplane.step_xspace(stats, "host", shape))
+
+
+@pytest.fixture
+def kept():
+    """What one fit's renderers keep (a fresh fit's: nothing yet)."""
+    return KeptParts()
+
+
+def last_kept(kept):
+    """The shape each renderer (timeline, step graph, XSpace) kept parts of, or None."""
+    return [None if parts._last is None else parts._last[0] for parts in (kept.timeline, kept.graph, kept.xspace)]
+
+
+def test_a_step_of_the_last_ones_shape_renders_as_it_alone_would(kept):
+    first, second = traced_steps(2)
+    shapes = StepShape(first, kept), StepShape(second, kept)
+    assert shapes[0] == shapes[1]  # (a fit's steps repeat one shape: the second reuses the first's parts)
+    alone = outputs(second)
+    assert outputs(first, shapes[0]) == outputs(first)
+    assert outputs(second, shapes[1]) == alone
+    assert all(shape is shapes[0] for shape in last_kept(kept))  # (kept, not remade)
+    # what is kept is the fit's: another fit's step of the same shape finds nothing of it
+    assert [StepShape(second, KeptParts()).recall(part) for part in ("timeline", "graph", "xspace")] == [None] * 3
+    assert alone[0] != outputs(first)[0] and alone[3] != outputs(first)[3]  # (its own times and number)
+
+
+def test_a_step_of_another_shape_or_order_reuses_nothing(kept):
+    first, second = traced_steps(2)
+    renamed, reordered = copy.deepcopy(second), copy.deepcopy(second)
+    host = next(dev for dev in renamed.dev_stats if dev.device == xplane.HOST_PLANE)
+    op = next(node for node in host.node_stats if node.op == "aten::addmm")
+    op.scope = "elsewhere"
+    # the same shape, but one thread's events no longer in the step's order (xprof's lines are in time order)
+    host = next(dev for dev in reordered.dev_stats if dev.device == xplane.HOST_PLANE)
+    a, b = [node for node in host.node_stats if node.category == "Op"][:2]
+    assert a.start_ns < b.start_ns
+    a.start_ns, b.start_ns = b.start_ns, a.start_ns
+    with_memory = traced_steps(1, memory=True)[0]  # (its allocations' bytes are in its nodes' run metadata)
+    assert with_memory.allocations and StepShape(with_memory) == StepShape(first)
+    for before, step in ((first, renamed), (first, reordered), (reordered, second), (first, with_memory),
+                         (with_memory, second)):
+        outputs(before, StepShape(before, kept))
+        assert outputs(step, StepShape(step, kept)) == outputs(step)
+    assert StepShape(reordered) == StepShape(first) and StepShape(renamed) != StepShape(first)
+
+
+
+class HeldAtTheEnd(L.Callback):
+    """At the fit's end, before the ProfilerHook's (placed before it), its steps rendered: how many renderers
+    hold a last step's parts where they were rendered."""
+
+    def __init__(self, hook, held):
+        self.hook, self.held, self.count = hook, held, None
+
+    def on_train_end(self, trainer, pl_module):
+        assert self.hook.saved_paths  # (waits for every traced step to be rendered)
+        self.count = self.held()
+
+
+@pytest.mark.parametrize("render_worker", [True, False], ids=["worker", "in-process"])
+def test_what_renderers_keep_of_a_fits_last_step_goes_when_the_fit_ends(tmp_dir, render_worker):
+    if render_worker and not worker.AVAILABLE:
+        pytest.skip("the render worker runs on POSIX systems")
+    held = (lambda: worker.WORKER.call(worker_probe.shaped_parts_held)) if render_worker \
+        else worker_probe.shaped_parts_held
+    hook = ProfilerHook(save_steps=1, output_dir=tmp_dir, capture=CaptureOptions(render_worker=render_worker))
+    probe = HeldAtTheEnd(hook, held)
+    trainer(tmp_dir, [probe, hook], 4).fit(TinyModel(), loader())
+    assert probe.count == 3  # the timeline's, the step graph's and the XSpace's, while the fit ran
+    assert held() == 0
+
+
+def test_a_step_of_more_nodes_than_kept_renders_alike_and_keeps_nothing(monkeypatch, kept):
+    first, second = traced_steps(2)
+    monkeypatch.setattr(ShapedParts, "KEEP_NODES_MAX", sum(len(dev.node_stats) for dev in first.dev_stats) - 1)
+    assert outputs(first, StepShape(first, kept)) == outputs(first)
+    assert last_kept(kept) == [None, None, None]
+    assert outputs(second, StepShape(second, kept)) == outputs(second)
