@@ -227,6 +227,9 @@ def test_fits_render_in_a_worker_that_never_imports_torch(tmp_path):
     assert sorted(p.name for p in out.glob("timeline-*")) == ["timeline-2.json", "timeline-4.json"]
     assert worker.WORKER.call(worker_probe.pid) not in (os.getpid(), None)
     assert worker.WORKER.call(worker_probe.torch_modules) == []
+    # at a lower priority than the training, so that on shared cores the training runs first
+    pid = worker.WORKER.call(worker_probe.pid)
+    assert os.getpriority(os.PRIO_PROCESS, pid) == min(19, os.getpriority(os.PRIO_PROCESS, 0) + worker.WORKER_NICE)
 
 
 @pytest.mark.parametrize("how", ["killed", "exits, a forked child holding the pipe"])

@@ -51,6 +51,10 @@ AVAILABLE = os.name == "posix"
 _LENGTH = struct.Struct("<Q")
 _POLL_SECONDS = 0.5  # how often a side waiting for the other checks that it still lives
 _EXIT_SECONDS = 5.0  # how long the training process's exit waits for the worker to finish a call
+# how much lower the worker's scheduling priority is than the training process's (`nice`): where the machine has
+# fewer free cores than the training and the worker need, the training's threads run first (the worker still gets
+# a share, and its stalls are judged by its CPU time, not by how long it takes)
+WORKER_NICE = 10
 FULL_COLLECTION_CALLS = 16  # the worker's cyclic collector looks at what outlives calls once per this many calls
 
 log = logging.getLogger(__name__)
@@ -169,7 +173,10 @@ class Worker:
             # may have moved since); -P: no script directory or working directory put before it
             path = os.pathsep.join(os.path.abspath(entry) for entry in sys.path if entry)
             env = {**os.environ, "PYTHONPATH": path}
-            code = f"from hookprof._runtime.worker import main; main({os.getpid()}, {tuple(preload)!r})"
+            # at a lower priority than the training (from its first import on): where the two share cores, the
+            # training gets them first and the worker the rest (`WORKER_NICE`)
+            code = (f"import os; os.nice({WORKER_NICE}); from hookprof._runtime.worker import main; "
+                    f"main({os.getpid()}, {tuple(preload)!r})")
             stderr = None if sys.stderr is not None else subprocess.DEVNULL
             process = self._process = subprocess.Popen(
                 [sys.executable, "-P", "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
