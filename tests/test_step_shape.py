@@ -107,20 +107,36 @@ class HeldAtTheEnd(L.Callback):
 
     def on_train_end(self, trainer, pl_module):
         assert self.hook.saved_paths  # (waits for every traced step to be rendered)
-        self.count = self.held()
+        self.token = self.hook.hook.pipeline._fit  # (the fit's, by which its renders keep their parts)
+        self.count = self.held(self.token)
 
 
 @pytest.mark.parametrize("render_worker", [True, False], ids=["worker", "in-process"])
 def test_what_renderers_keep_of_a_fits_last_step_goes_when_the_fit_ends(tmp_dir, render_worker):
     if render_worker and not worker.AVAILABLE:
         pytest.skip("the render worker runs on POSIX systems")
-    held = (lambda: worker.WORKER.call(worker_probe.shaped_parts_held)) if render_worker \
+    held = (lambda token: worker.WORKER.call(worker_probe.shaped_parts_held, token)) if render_worker \
         else worker_probe.shaped_parts_held
     hook = ProfilerHook(save_steps=1, output_dir=tmp_dir, capture=CaptureOptions(render_worker=render_worker))
     probe = HeldAtTheEnd(hook, held)
     trainer(tmp_dir, [probe, hook], 4).fit(TinyModel(), loader())
     assert probe.count == 3  # the timeline's, the step graph's and the XSpace's, while the fit ran
-    assert held() == 0
+    assert held(probe.token) == 0
+
+
+def test_a_fit_that_has_ended_keeps_nothing_new():
+    """A step of a fit rendered after the fit ended (a failed fit's last render) gets parts to use, kept nowhere:
+    nothing outlives the fit's release."""
+    from hookprof._runtime.by_fit import ByFit
+
+    store = ByFit("test store")
+    first = store.setdefault("fit", KeptParts)
+    assert store.setdefault("fit", KeptParts) is first and store.tokens() == ["fit"]
+    store.forget("fit")
+    late = store.setdefault("fit", KeptParts)
+    assert late is not first and store.tokens() == [] and store.recall("fit") is None
+    store.remember("fit", late)
+    assert store.tokens() == []
 
 
 def test_a_step_of_more_nodes_than_kept_renders_alike_and_keeps_nothing(monkeypatch, kept):

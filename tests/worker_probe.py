@@ -31,11 +31,11 @@ def burn(cpu_seconds: float) -> int:
     return os.getpid()
 
 
-def shaped_parts_held() -> int:
-    """How many renderers hold parts of a fit's last step (`hookprof.step_stats.KeptParts`) in this process, the
-    fits' together."""
+def shaped_parts_held(token: str) -> int:
+    """How many renderers hold parts of fit `token`'s last step (`hookprof.step_stats.KeptParts`) in this
+    process."""
     from hookprof.hooks.capture import KEPT_PARTS
 
-    held = (KEPT_PARTS.recall(token) for token in KEPT_PARTS.tokens())
+    held = [KEPT_PARTS.recall(token)]
     return sum(parts._last is not None for kept in held if kept is not None
                for parts in (kept.timeline, kept.graph, kept.xspace))

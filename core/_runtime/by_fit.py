@@ -24,35 +24,45 @@ class ByFit(Generic[T]):
     (thread-safe). Each store has a `name`, by which the render worker finds its own copy (`release`)."""
 
     KEEP = 4
+    ENDED_KEPT = 64  # how many ended fits' tokens each store remembers (a late render of one keeps nothing)
 
     def __init__(self, name: str) -> None:
         self.name = name
         self._by_fit: collections.OrderedDict[str, T] = collections.OrderedDict()
+        self._ended: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._lock = threading.Lock()
         _STORES[name] = self
 
     def remember(self, token: str, value: T) -> None:
         with self._lock:
             self._by_fit.pop(token, None)
-            self._by_fit[token] = value
-            self._evict()
+            if token not in self._ended:
+                self._by_fit[token] = value
+                self._evict()
 
     def recall(self, token: str) -> T | None:
         with self._lock:
             return self._by_fit.get(token)
 
     def setdefault(self, token: str, make: Callable[[], T]) -> T:
-        """Fit `token`'s value, made (`make()`) if it has none yet."""
+        """Fit `token`'s value, made (`make()`) if it has none yet; for a fit that has ended (a step of a failed
+        fit rendered after its end), a new value kept nowhere."""
         with self._lock:
             value = self._by_fit.get(token)
             if value is None:
-                value = self._by_fit[token] = make()
-                self._evict()
+                value = make()
+                if token not in self._ended:
+                    self._by_fit[token] = value
+                    self._evict()
             return value
 
     def forget(self, token: str) -> None:
+        """Fit `token` ended: its value goes, and none is kept for it again."""
         with self._lock:
             self._by_fit.pop(token, None)
+            self._ended[token] = None
+            while len(self._ended) > self.ENDED_KEPT:
+                self._ended.popitem(last=False)
 
     def tokens(self) -> list[str]:
         """The fits held, oldest first."""
