@@ -206,8 +206,9 @@ class StepShape:
     node's fields but its start and duration (`node_shape`), device by device, and its edges, by their nodes'
     places. Two steps of one shape render to the same graph, the same XSpace metadata and the same timeline
     but for their times: a renderer keeps what a step's shape decides (`ShapedParts`) and makes only the
-    timed fields for the next step of that shape (a fit's traced steps repeat one). Taken once the stats are
-    complete (their nodes' lists are held, not copied: nothing changes them after)."""
+    timed fields for the next step of that shape (a fit's traced CPU steps repeat one; CUDA and JAX steps carry
+    per-step ids in their args and do not). Taken once the stats are complete (their nodes' lists are held,
+    not copied: nothing changes them after)."""
 
     __slots__ = ("devices", "nodes", "edges", "_same", "kept")
 
@@ -267,6 +268,7 @@ class ShapedParts:
 
     def keep(self, shape: StepShape | None, context: Any, parts: Any) -> None:
         if shape is not None and sum(map(len, shape.nodes)) <= self.KEEP_NODES_MAX:
+            shape._same = None  # (a kept shape holds no earlier one it was found equal to)
             self._last = (shape, context, parts)
 
     def clear(self) -> None:

@@ -11,10 +11,11 @@ def _scaled(value: float, units: tuple[tuple[float, str], ...], plain: str) -> s
 
     The value is first rounded to nine decimals, so that figures summed in another order (a timeline's events
     against the profile they came from) print alike: 12.499999999999998us and 12.5us are both `12us`."""
+    value = round(value, 9)
     for size, unit in reversed(units):
         if value >= size:
             return f"{round(value / size, 9):.2f}{unit}"
-    return f"{int(round(round(value, 9)))}{plain}"
+    return f"{int(round(value))}{plain}"
 
 
 def format_time(micros: float) -> str:

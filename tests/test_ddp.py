@@ -157,3 +157,17 @@ def test_ddp_spawn_parent_callbacks_read_what_rank_0_wrote(tmp_path):
     assert all(os.path.exists(p) for p in result["prof"] + result["ckpt"])
     assert result["final"] == {"step": 4, "rank": 0}
     assert not [n for n in os.listdir(scratch) if n.startswith("hookprof-home-")]
+
+
+def test_a_callback_copied_in_its_own_process_sends_nothing_into_the_originals_file(tmp_path):
+    """A copy made in the callback's own process (`copy.deepcopy`, a pickle round trip) is no rank's copy: it has
+    a results file of its own, so neither takes the other's rank-0 results."""
+    import copy
+    import pickle
+
+    from lightning_prof import ProfilerHook
+
+    callback = ProfilerHook(save_steps=2, output_dir=str(tmp_path))
+    pickle.dumps(callback)  # (pickled at home: its results directory is claimed)
+    for twin in (copy.deepcopy(callback), pickle.loads(pickle.dumps(callback))):
+        assert not twin._home.away and twin._home._name != callback._home._name

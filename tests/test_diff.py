@@ -222,3 +222,6 @@ def test_figures_summed_in_another_order_print_alike():
     assert format_time(forward) == format_time(backward)
     assert format_time(forward * 1000) == format_time(backward * 1000)
     assert format_memory(forward * 1e6) == format_memory(backward * 1e6)
+    # and at a unit's edge: 1000 us summed one way (1.00ms), 999.9999999999999 us the other
+    edge = [0.3, 0.3, 999.4]
+    assert sum(edge) != sum(reversed(edge)) and format_time(sum(edge)) == format_time(sum(reversed(edge)))

@@ -232,6 +232,21 @@ def test_fits_render_in_a_worker_that_never_imports_torch(tmp_path):
     assert os.getpriority(os.PRIO_PROCESS, pid) == min(19, os.getpriority(os.PRIO_PROCESS, 0) + worker.WORKER_NICE)
 
 
+def test_what_the_worker_is_told_while_busy_runs_before_its_next_call():
+    """A fit's end tells the worker to forget what it kept for that fit; a worker busy with another fit's step
+    is not waited for, and runs the tell before its next call."""
+    worker.WORKER.call(worker_probe.pid)  # (a worker that has answered)
+    busy = threading.Thread(target=worker.WORKER.call, args=(worker_probe.burn, 0.5))
+    busy.start()
+    while not worker.WORKER._lock.locked():
+        time.sleep(0.001)
+    start = time.monotonic()
+    worker.WORKER.tell(worker_probe.note, "fit 1 ended")
+    assert time.monotonic() - start < 0.25  # (not waited for)
+    busy.join()
+    assert worker.WORKER.call(worker_probe.notes) == ["fit 1 ended"]
+
+
 @pytest.mark.parametrize("how", ["killed", "exits, a forked child holding the pipe"])
 def test_the_worker_ends_with_the_training_process(tmp_path, how):
     code = textwrap.dedent("""

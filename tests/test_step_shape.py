@@ -2,6 +2,7 @@
 timeline, step graph, run metadata and XSpace are byte for byte what rendering it alone writes, and a step of
 another shape, or whose threads' events came in another order, reuses nothing."""
 
+import contextvars
 import copy
 import dataclasses
 
@@ -9,6 +10,7 @@ import lightning as L
 import pytest
 import torch
 
+from hookprof import HookedSession, ManualSession, SessionRunHook
 from hookprof._runtime import worker
 from hookprof.hooks import CaptureOptions
 from hookprof.run_options import RunOptions, TraceLevel
@@ -16,6 +18,7 @@ from hookprof.step_stats import KeptParts, NodeExecStats, ShapedParts, StepShape
 from hookprof.tensorboard import graph
 from hookprof.trace import xplane
 from hookprof.trace.writer import ChromeTraceWriter
+from hookprof.tracing import HostTracer
 from hookprof.tracing.torch_tracer import TorchTracer
 from lightning_prof import ProfilerHook
 from tests import worker_probe
@@ -117,11 +120,18 @@ def test_what_renderers_keep_of_a_fits_last_step_goes_when_the_fit_ends(tmp_dir,
         pytest.skip("the render worker runs on POSIX systems")
     held = (lambda token: worker.WORKER.call(worker_probe.shaped_parts_held, token)) if render_worker \
         else worker_probe.shaped_parts_held
-    hook = ProfilerHook(save_steps=1, output_dir=tmp_dir, capture=CaptureOptions(render_worker=render_worker))
-    probe = HeldAtTheEnd(hook, held)
-    trainer(tmp_dir, [probe, hook], 4).fit(TinyModel(), loader())
-    assert probe.count == 3  # the timeline's, the step graph's and the XSpace's, while the fit ran
-    assert held(probe.token) == 0
+    other, context = HookedSession([SessionRunHook()], HostTracer), contextvars.Context()
+    context.run(other.begin)  # a fit in another thread: the worker outlives this one, and is asked after it
+    try:
+        hook = ProfilerHook(save_steps=1, output_dir=tmp_dir, capture=CaptureOptions(render_worker=render_worker))
+        probe = HeldAtTheEnd(hook, held)
+        trainer(tmp_dir, [probe, hook], 4).fit(TinyModel(), loader())
+        assert probe.count == 3  # the timeline's, the step graph's and the XSpace's, while the fit ran
+        process = worker.WORKER._process
+        assert held(probe.token) == 0
+        assert worker.WORKER._process is process and (process is not None) == render_worker  # (the same worker)
+    finally:
+        context.run(other.end, ManualSession())
 
 
 def test_a_fit_that_has_ended_keeps_nothing_new():

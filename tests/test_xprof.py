@@ -202,6 +202,21 @@ def test_xprof_reads_a_lightning_fits_traced_step_as_the_timeline_has_it(tmp_dir
     assert {row["type"] for row in stats if row["operation"] == "TinyModel/fc1/aten::addmm"} == {"aten::addmm"}
 
 
+def test_the_profile_tabs_step_starts_at_the_wait_before_it_when_it_waits_inside_too(tmp_dir):
+    """Under gradient accumulation a step also waits for its later batches, inside it: xprof's step starts at
+    the wait before the step, not at the last one inside it."""
+    hook = ProfilerHook(save_steps=2, output_dir=None)
+    trainer(tmp_dir, [hook], 3, accumulate_grad_batches=2).fit(TinyModel(), loader())
+    (pb,) = profile_files(tmp_dir)
+    spans = [e for e in load_trace(hook.saved_paths[0])["traceEvents"] if e.get("ph") == "X" and e["cat"] == "Span"]
+    train = next(e for e in spans if e["name"] == "ProfilerStep#2")
+    waits = sorted((e for e in spans if e["name"] == "data_wait"), key=lambda e: e["ts"])
+    assert waits[0]["ts"] < train["ts"] < waits[-1]["ts"]  # (one before the step, one inside it)
+    (graph,) = [t for t in tool(pb, "overview_page") if any(c["id"] == "stepTimeMs" for c in t.get("cols", ()))]
+    (row,) = rows(graph)
+    assert row["stepTimeMs"] == pytest.approx((train["ts"] + train["dur"] - waits[0]["ts"]) / 1000, abs=1e-6)
+
+
 @needs_xprof
 def test_xprof_reads_a_keras_fits_traced_step_as_the_timeline_has_it(tmp_dir):
     from keras_prof import ProfilerHook as KerasProfilerHook

@@ -39,3 +39,14 @@ def shaped_parts_held(token: str) -> int:
     held = [KEPT_PARTS.recall(token)]
     return sum(parts._last is not None for kept in held if kept is not None
                for parts in (kept.timeline, kept.graph, kept.xspace))
+
+
+NOTES: list[str] = []  # what `note` was told, in the process that runs it
+
+
+def note(text: str) -> None:
+    NOTES.append(text)
+
+
+def notes() -> list[str]:
+    return list(NOTES)

@@ -36,6 +36,7 @@ class FitRun:
     def __init__(self, traces: Any = None, fit_call: FitCall | None = None) -> None:
         self._stops: list[tuple[Any, Callable[..., Any], tuple[Any, ...]]] = []
         self.closed = False
+        self._closing = threading.Lock()  # (two threads may close one run: its fit's, and a sweep or a closer)
         self.traces = traces  # the fit's step trace coordinator (`hookprof.tracing.fit_traces()`)
         self._thread = threading.current_thread()
         self._frame = fit_call
@@ -64,12 +65,14 @@ class FitRun:
         self._stops.append((key, stop, args))
 
     def close(self) -> None:
-        """Run every registered stop, newest first; one that raises is logged and the others still run."""
-        if self.closed:
-            return
-        self.closed = True
-        while self._stops:
-            _, stop, args = self._stops.pop()
+        """Run every registered stop, newest first, once; one that raises is logged and the others still run."""
+        with self._closing:
+            if self.closed:
+                return
+            self.closed = True
+            stops, self._stops = self._stops, []
+        while stops:
+            _, stop, args = stops.pop()
             try:
                 stop(*args)
             except Exception:

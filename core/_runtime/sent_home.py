@@ -53,6 +53,11 @@ class SentHome:
                 log.debug("No directory for values sent home: %s", error)
         return {**self.__dict__, "_received": {}}
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        if not self.away:  # (a copy made in the object's own process, `copy.deepcopy`: a file of its own)
+            self._name = f"{secrets.token_hex(8)}.pickle"
+
     def send(self, values: dict[str, Any]) -> None:
         """From a copy in another process: `values` for the object at home (replacing any sent before). Each
         value is pickled on its own; one that does not pickle is left out (the home reads its own). A failure

@@ -29,6 +29,7 @@ released. Details:
 from __future__ import annotations
 
 import atexit
+import collections
 import contextlib
 import errno
 import gc
@@ -84,6 +85,8 @@ class Worker:
         self._answered = False  # whether the running worker ever answered (one that never does is broken)
         self._broken: str | None = None  # why workers cannot run here: callers render themselves
         self._lock = threading.Lock()  # one call at a time (the pipe carries one conversation)
+        # tells skipped while the worker was busy (`tell`): run before its next call, in the same request
+        self._told: collections.deque[tuple[Callable[..., Any], tuple[Any, ...]]] = collections.deque(maxlen=256)
 
     def start(self, preload: tuple[str, ...] = ()) -> None:
         """Start the worker now, if not running, importing the `preload` modules while the caller goes on
@@ -104,8 +107,9 @@ class Worker:
 
     def tell(self, fn: Callable[..., Any], *args: Any, timeout: float = _EXIT_SECONDS) -> None:
         """`fn(*args)` in the worker if one runs, for what it holds (a fit's end: what it kept for that fit); none
-        is started for it (a new one holds nothing). A failure is logged, never raised: the worker that failed
-        is gone, and what it held with it."""
+        is started for it (a new one holds nothing). One busy with a call is not waited for: it runs `fn` before
+        its next call. A failure is logged, never raised: the worker that failed is gone, and what it held with
+        it."""
         try:
             self._call(fn, args, timeout, start=False)
         except (WorkerFailed, OSError) as err:
@@ -113,15 +117,20 @@ class Worker:
 
     def _call(self, fn: Callable[..., Any], args: tuple[Any, ...], timeout: float | None, start: bool,
               stall: float | None = None) -> Any:
-        request = pickle.dumps((fn, args), protocol=pickle.HIGHEST_PROTOCOL)
         with _held(self._lock, None if start else 0) as held:
-            if not held:  # (busy with another fit's step: a `tell` is skipped, not waited for)
+            if not held:  # (busy with another fit's step: a `tell` is not waited for, it goes with the next call)
+                self._told.append((fn, args))
                 return None
             process = self._process
             if start:
                 process = self._started()
             elif process is None or process.poll() is not None or not self._answered:
                 return None  # (one still starting holds nothing yet)
+            told = []
+            while self._told:
+                told.append(self._told.popleft())
+            call = (_after_told, (told, fn, args)) if told else (fn, args)
+            request = pickle.dumps(call, protocol=pickle.HIGHEST_PROTOCOL)
             reply = None
             deadline = None if timeout is None else time.monotonic() + timeout
             peer = _Progress(process, stall) if stall is not None else process
@@ -221,6 +230,18 @@ class Worker:
         if it ever needs one."""
         self._process = None
         self._lock = threading.Lock()
+        self._told = collections.deque(maxlen=256)
+
+
+def _after_told(told: list[tuple[Callable[..., Any], tuple[Any, ...]]], fn: Callable[..., Any],
+                args: tuple[Any, ...]) -> Any:
+    """In the worker: the tells skipped while it was busy (`Worker.tell`), then the call."""
+    for tell_fn, tell_args in told:
+        try:
+            tell_fn(*tell_args)
+        except Exception:  # (a tell's failure is no call's)
+            log.debug("The render worker could not run %s", getattr(tell_fn, "__name__", tell_fn), exc_info=True)
+    return fn(*args)
 
 
 def _end(process: subprocess.Popen) -> None:

@@ -274,7 +274,11 @@ def render_step(source: Any, writer: ChromeTraceWriter, spec: RenderSpec) -> Ren
     rendered.dataflow_missing = stats.metadata.get(DATAFLOW_MISSING)
     # what the outputs hold besides the step's times: a step of the last one's shape reuses its parts
     kept = None if spec.fit is None else KEPT_PARTS.setdefault(spec.fit, KeptParts)
-    shape = None if kept is None else StepShape(stats, kept)
+    try:
+        shape = None if kept is None else StepShape(stats, kept)
+    except Exception:  # a bug of ours costs the reuse, not the step's outputs
+        log.debug("The step's shape could not be taken; its outputs are rendered whole", exc_info=True)
+        shape = kept = None
     try:
         file_stats, file_shape = stats, shape
         if spec.capture is not None:
