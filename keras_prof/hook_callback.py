@@ -125,8 +125,9 @@ class _TrainStepWatch:
         try:
             driver = fit.driver
             if driver is not None:
-                if (fit.fetches_in_step and len(args) == 2 and not kwargs
-                        and isinstance(args[1], collections.abc.Iterator)):  # (Keras < 3.7: a loaded list)
+                # (a call that nothing traces or watches fetches its batches itself, unwrapped)
+                if (fit.fetches_in_step and (driver.trace_pending or driver.watched) and len(args) == 2
+                        and not kwargs and isinstance(args[1], collections.abc.Iterator)):  # (Keras < 3.7: a list)
                     args = (args[0], WaitedBatches(args[1], driver, fit.session.steps_per_run))
                 driver.start_trace()  # (the tracer runs only inside the step: see HookedSession)
             return self.function(*args, **kwargs)

@@ -268,7 +268,7 @@ def test_a_jax_train_function_given_loaded_batches_gets_them_as_they_are():
     from keras_prof.hook_callback import _TrainStepWatch
 
     class Driver:
-        trace_pending, started = True, 0
+        trace_pending, watched, started = True, False, 0
 
         def start_trace(self):
             self.started += 1
@@ -283,3 +283,9 @@ def test_a_jax_train_function_given_loaded_batches_gets_them_as_they_are():
     assert watch("state", (fetched.append(b) or b for b in ["a", "b"])) == "ran"
     assert fetched == ["a"]  # the iterator's first batch was fetched before the step, the rest left to it
     assert list(seen[1]) == ["a", "b"] and fit.driver.started == 2
+    # a call that nothing traces or watches gets Keras' own iterator, unwrapped (no cost per batch)
+    fit.driver.trace_pending = False
+    iterator = iter(["c"])
+    assert watch("state", iterator) == "ran" and seen[2] is iterator
+    fit.driver.watched = True  # (a trigger watches: its phases are marked, the batches wrapped)
+    assert watch("state", iter(["d"])) == "ran" and type(seen[3]).__name__ == "WaitedBatches"

@@ -216,6 +216,11 @@ class HookedSession:
         self._traces.restart_data_clock()
 
     @property
+    def watched(self) -> bool:
+        """Whether the running step's phases are recorded for the triggers (`mark` does something then)."""
+        return self._traces.watching
+
+    @property
     def trace_pending(self) -> bool:
         """Whether `start_trace` would start a trace `before_run` deferred (`defer_trace`)."""
         return self._pending_trace is not None

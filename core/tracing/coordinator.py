@@ -134,6 +134,11 @@ class StepTraceCoordinator:
         self._last_step_end_ns = time.time_ns()
 
     @property
+    def watching(self) -> bool:
+        """Whether a watched step runs (its phases are recorded for the triggers)."""
+        return self._record is not None
+
+    @property
     def active(self) -> bool:
         """Whether a trace is running (between the step's start and its first `after_run`)."""
         return self._current is not None and self._current.metadata is None
