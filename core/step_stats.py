@@ -278,12 +278,14 @@ class ShapedParts:
 class KeptParts:
     """What each renderer keeps of one fit's last rendered step (`ShapedParts`), where its steps are rendered
     (the render worker, or the training process without one: `hookprof.hooks.capture.KEPT_PARTS`, by the fit's
-    token, released when the fit ends). A `StepShape` made with them finds them (`recall`, `keep`)."""
+    token, released when the fit ends). A `StepShape` made with them finds them (`recall`, `keep`). Also the
+    step graph's names the fit's steps repeat (`hookprof.tensorboard.graph.GraphNames`, once it has a graph)."""
 
-    __slots__ = ("timeline", "graph", "xspace")
+    __slots__ = ("timeline", "graph", "xspace", "graph_names")
 
     def __init__(self) -> None:
         self.timeline, self.graph, self.xspace = ShapedParts(), ShapedParts(), ShapedParts()
+        self.graph_names: Any = None
 
 
 def _node_end(node: NodeExecStats) -> int:

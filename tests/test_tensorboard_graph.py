@@ -150,15 +150,17 @@ def test_a_run_gets_its_step_graph_once_while_it_stays_the_same(tmp_dir, caplog)
 
 def graph_names_here():
     """{run token: how many graph names it keeps} in this process (the render worker runs it too)."""
-    from hookprof.hooks.capture import GRAPH_NAMES
+    from hookprof.hooks.capture import KEPT_PARTS
 
-    return {token: len(GRAPH_NAMES.recall(token).named) for token in GRAPH_NAMES.tokens()}
+    kept = {token: KEPT_PARTS.recall(token) for token in KEPT_PARTS.tokens()}
+    return {token: len(parts.graph_names.named) for token, parts in kept.items()
+            if parts is not None and parts.graph_names is not None}
 
 
 @pytest.mark.parametrize("render_worker", [True, False], ids=["worker", "in-process"])
 def test_each_fit_keeps_its_own_step_graph_names_until_it_ends(tmp_dir, render_worker):
     """The graph names a fit's traced steps repeat are kept from one step to the next by that fit's renders
-    (`GRAPH_NAMES`, by the run's token, in the render worker or in the training process), not by the process:
+    (`KEPT_PARTS`, by the run's token, in the render worker or in the training process), not by the process:
     two fits of the same model each have their own, and each fit's go when it ends."""
     from hookprof import HookedSession, ManualSession, SessionRunHook
     from hookprof._runtime import worker

@@ -25,7 +25,7 @@ import traceback
 import uuid
 import warnings
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from hookprof._runtime import arguments, distribution, worker
 from hookprof._runtime.atomic_file import atomic_write
@@ -41,9 +41,6 @@ from hookprof.trace import xplane
 from hookprof.trace.writer import ChromeTraceWriter
 from hookprof.tracing import HOST_DEVICE
 from hookprof.tracing.step_identity import DATAFLOW_MISSING
-
-if TYPE_CHECKING:
-    from hookprof.tensorboard.graph import GraphNames
 
 # ProfilerHook's logger: its messages ("Saving timeline ...") stay where users set ProfilerHook's level.
 log = logging.getLogger("hookprof.hooks.profiler_hook")
@@ -230,7 +227,7 @@ class RenderSpec:
     tag: str
     events: bool  # whether to build the TensorBoard step graph and run metadata
     profile_host: str | None = None  # the host name of the step's XSpace for the Profile tab; None: none
-    # the token of the run whose renders keep what they repeat (`GRAPH_NAMES`, `KEPT_PARTS`); None: none
+    # the token of the run whose renders keep what they repeat (`KEPT_PARTS`); None: none
     fit: str | None = None
 
 
@@ -293,7 +290,11 @@ def render_step(source: Any, writer: ChromeTraceWriter, spec: RenderSpec) -> Ren
         try:
             from hookprof.tensorboard import graph as tensorboard_graph
 
-            names = None if spec.fit is None else GRAPH_NAMES.setdefault(spec.fit, tensorboard_graph.GraphNames)
+            names = None
+            if kept is not None:  # (the step graph's names the fit's steps repeat)
+                if kept.graph_names is None:
+                    kept.graph_names = tensorboard_graph.GraphNames()
+                names = kept.graph_names
             events = tensorboard_graph.run_metadata_events(stats, spec.tag, spec.step, names, shape)
         except ImportError:
             rendered.events_error = NO_TENSORBOARD
@@ -318,9 +319,8 @@ def render_step(source: Any, writer: ChromeTraceWriter, spec: RenderSpec) -> Ren
 
 
 # Where this process renders steps (the render worker, or the training process without one), what its renders
-# keep of each run for the run's next steps, until its fit ends (see `begin`): the step graph's names, and each
-# renderer's parts of the run's last step (a step of its shape reuses them)
-GRAPH_NAMES: ByFit[GraphNames] = ByFit("graph names")
+# keep of each run for the run's next steps, until its fit ends (see `begin`): each renderer's parts of the run's
+# last step (a step of its shape reuses them) and the step graph's names
 KEPT_PARTS: ByFit[KeptParts] = ByFit("kept parts")
 
 RECENT_STEPS_THREAD_ID = 1  # the host pseudo-thread of a trigger's window (the step phases' is 0)
@@ -439,12 +439,10 @@ class CapturePipeline:
         self._run_paths.clear()
         self.profile_retention.reset()
         self._last_graph = None  # (a new run's sink gets its graph)
-        # what this run's renders keep from one step to the next, where they run (`GRAPH_NAMES`, `KEPT_PARTS`):
-        # the fit's, gone when it ends (outside a fit, nothing is kept)
+        # what this run's renders keep from one step to the next, where they run (`KEPT_PARTS`): the fit's, gone
+        # when it ends (outside a fit, nothing is kept)
         token = uuid.uuid4().hex
-        self._fit = token if on_fit_end(("graph names", token), GRAPH_NAMES.release, token) else None
-        if self._fit is not None:
-            on_fit_end(("kept parts", token), KEPT_PARTS.release, token)
+        self._fit = token if on_fit_end(("kept parts", token), KEPT_PARTS.release, token) else None
 
     def room_to_write(self) -> bool:
         """Whether fewer than max_pending_writes of this pipeline's rendered steps wait for the disk, after giving
