@@ -581,21 +581,6 @@ def test_a_slow_worker_that_still_uses_cpu_is_not_judged_hung():
         own.stop()
 
 
-def test_telling_a_worker_busy_with_another_fits_step_does_not_wait_for_it():
-    """A fit's end tells the worker to forget what it kept for that fit; a worker busy rendering another fit's
-    step (its lock held) is not waited for past the tell's timeout: what it holds goes with it anyway."""
-    busy = worker.Worker()
-    try:
-        pid = busy.call(worker_probe.pid)  # (a running worker that has answered: one a tell would reach)
-        with busy._lock:  # (another fit's render holds it)
-            started = time.monotonic()
-            busy.tell(worker_probe.pid)
-            assert time.monotonic() - started < 0.5
-        assert busy.call(worker_probe.pid) == pid  # the same worker, untouched
-    finally:
-        busy.stop()
-
-
 def test_a_worker_hung_while_starting_is_judged_by_its_cpu_and_none_is_started_again():
     """A worker whose start hangs (stopped before its first answer: its imports stuck on a stalled disk) is
     judged after `stall` seconds without CPU like a running one; a new one would hang the same way, so the

@@ -202,6 +202,7 @@ def test_xprof_reads_a_lightning_fits_traced_step_as_the_timeline_has_it(tmp_dir
     assert {row["type"] for row in stats if row["operation"] == "TinyModel/fc1/aten::addmm"} == {"aten::addmm"}
 
 
+@needs_xprof
 def test_the_profile_tabs_step_starts_at_the_wait_before_it_when_it_waits_inside_too(tmp_dir):
     """Under gradient accumulation a step also waits for its later batches, inside it: xprof's step starts at
     the wait before the step, not at the last one inside it."""

@@ -36,9 +36,10 @@ def shaped_parts_held(token: str) -> int:
     process."""
     from hookprof.hooks.capture import KEPT_PARTS
 
-    held = [KEPT_PARTS.recall(token)]
-    return sum(parts._last is not None for kept in held if kept is not None
-               for parts in (kept.timeline, kept.graph, kept.xspace))
+    kept = KEPT_PARTS.recall(token)
+    if kept is None:
+        return 0
+    return sum(parts._last is not None for parts in (kept.timeline, kept.graph, kept.xspace))
 
 
 NOTES: list[str] = []  # what `note` was told, in the process that runs it

@@ -36,9 +36,7 @@ class ByFit(Generic[T]):
     def remember(self, token: str, value: T) -> None:
         with self._lock:
             self._by_fit.pop(token, None)
-            if token not in self._ended:
-                self._by_fit[token] = value
-                self._evict()
+            self._put(token, value)
 
     def recall(self, token: str) -> T | None:
         with self._lock:
@@ -51,9 +49,7 @@ class ByFit(Generic[T]):
             value = self._by_fit.get(token)
             if value is None:
                 value = make()
-                if token not in self._ended:
-                    self._by_fit[token] = value
-                    self._evict()
+                self._put(token, value)
             return value
 
     def forget(self, token: str) -> None:
@@ -74,6 +70,12 @@ class ByFit(Generic[T]):
         here and in the render worker, if one runs."""
         self.forget(token)
         worker.WORKER.tell(forget_here, self.name, token)
+
+    def _put(self, token: str, value: T) -> None:
+        """Keep `value` for fit `token` (not for one that has ended), the newest `KEEP` at most (lock held)."""
+        if token not in self._ended:
+            self._by_fit[token] = value
+            self._evict()
 
     def _evict(self) -> None:
         while len(self._by_fit) > self.KEEP:

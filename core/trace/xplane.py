@@ -362,11 +362,12 @@ def _step_xspace(stats: StepStats, hostname: str, shape: StepShape | None = None
     step = stats.step if stats.step is not None else 0
     host = next((dev for dev in stats.dev_stats if dev.device == HOST_PLANE), None)
     nodes = host.node_stats if host is not None else []
-    train = next((n for n in nodes if n.category == fmt.CAT_SPAN and n.op == fmt.TRAIN_STEP), None)
+    spans = [n for n in nodes if n.category == fmt.CAT_SPAN]
+    train = next((n for n in spans if n.op == fmt.TRAIN_STEP), None)
     # the wait before the step (those inside it, between an accumulation window's or a Keras call's batches,
     # start after it does)
     data_wait = None if train is None else min(
-        (n for n in nodes if n.category == fmt.CAT_SPAN and n.op == fmt.DATA_WAIT and n.start_ns < train.start_ns),
+        (n for n in spans if n.op == fmt.DATA_WAIT and n.start_ns < train.start_ns),
         key=lambda n: n.start_ns, default=None)
     devices = _cuda_kernels(stats)
     kernels = [k for _, streams in devices for stream in streams.values() for k in stream]
