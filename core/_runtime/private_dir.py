@@ -12,6 +12,7 @@ A directory removed under its owner (a tmp cleaner, `rm -rf /tmp/*`) is made aga
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import fcntl
 import os
@@ -67,6 +68,13 @@ class PrivateDirectory:
             shutil.rmtree(path, ignore_errors=True)
         with contextlib.suppress(OSError):
             os.close(fd)
+
+
+# This process's own directory in TMPDIR (mode 0700: op names, code paths and results are not for other users):
+# kineto's exports of traced steps (`hookprof.tracing.torch_tracer`) and what a rank's copy of a callback sends
+# home (`hookprof._runtime.sent_home`); made again if something removes it, removed when the process exits.
+PROCESS_DIRECTORY = PrivateDirectory("hookprof-")
+atexit.register(PROCESS_DIRECTORY.release)
 
 
 @contextlib.contextmanager

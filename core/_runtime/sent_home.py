@@ -5,16 +5,15 @@ there, and the callbacks the user holds in the parent process never run. Lightni
 weights, `trainer.state` and `trainer.callback_metrics` (its launcher's `get_extra_results`, which a user
 changes by subclassing the launcher), and the parent calls no callback after the ranks end: a callback has no
 route of the framework's own to the object the user reads. So the copy writes a file that the object at home
-reads: when the object is pickled in its home process, a private directory of that process is claimed
-(`PrivateDirectory`: mode 0700, removed when the process exits, swept by a later one if it died) and the copy
-carries its path and a random file name; the copy writes the file atomically when its fit ends, and reading at
-home takes the values and removes the file. A copy made without pickling (a fork) knows no directory and sends
-nothing.
+reads: when the object is pickled in its home process, that process's private directory is claimed
+(`PROCESS_DIRECTORY`, which kineto's exports use too: mode 0700, removed when the process exits, swept by a
+later one if it died) and the copy carries its path and a random file name; the copy writes the file
+atomically when its fit ends, and reading at home takes the values and removes the file. A copy made without
+pickling (a fork) knows no directory and sends nothing.
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import logging
 import os
@@ -23,12 +22,10 @@ import secrets
 from typing import Any
 
 from hookprof._runtime.atomic_file import atomic_write
-from hookprof._runtime.private_dir import PrivateDirectory
+from hookprof._runtime.private_dir import PROCESS_DIRECTORY
 
 log = logging.getLogger(__name__)
 
-_HOMES = PrivateDirectory("hookprof-home-")
-atexit.register(_HOMES.release)
 
 
 class SentHome:
@@ -48,7 +45,7 @@ class SentHome:
     def __getstate__(self) -> dict[str, Any]:
         if not self.away and self._directory is None:
             try:
-                self._directory = _HOMES.path()
+                self._directory = PROCESS_DIRECTORY.path()
             except OSError as error:  # (no temporary directory: the copy sends nothing, the home reads its own)
                 log.debug("No directory for values sent home: %s", error)
         return {**self.__dict__, "_received": {}}

@@ -10,7 +10,6 @@ private torch APIs it uses are found by feature detection (`hookprof.tracing.tor
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import errno
 import itertools
@@ -26,7 +25,7 @@ import torch
 
 from hookprof._runtime.fit_run import on_fit_end
 from hookprof._runtime.gc_pause import paused_gc
-from hookprof._runtime.private_dir import PrivateDirectory
+from hookprof._runtime.private_dir import PROCESS_DIRECTORY
 from hookprof.naming import root_label
 from hookprof.run_options import RunOptions, TraceLevel
 from hookprof.step_stats import StepStats
@@ -328,19 +327,15 @@ class _Recording:
         return exported.to_stats()
 
 
-# This process's private directory for kineto's exports (mode 0700: op names and code paths are not for other
-# users), in TMPDIR, claimed by a lock while this process lives (see hookprof._runtime.private_dir): made again
-# if something removes it, removed when the process exits. Not at a fit's end: a step's RunMetadata converts
-# from its export when first read, which a user's hook may do after `fit` returns; each export goes once its
-# RunMetadata is garbage.
-_EXPORTS = PrivateDirectory("hookprof-")
-atexit.register(_EXPORTS.release)
+# kineto's exports go in this process's private directory (`PROCESS_DIRECTORY`), not one of the fit's: a step's
+# RunMetadata converts from its export when first read, which a user's hook may do after `fit` returns; each
+# export goes once its RunMetadata is garbage.
 _exports_made = itertools.count()
 
 
 def _export_path() -> str:
     """A fresh path for a step's export in this process's private export directory."""
-    directory = _EXPORTS.path()
+    directory = PROCESS_DIRECTORY.path()
     return os.path.join(directory, f"step-{next(_exports_made)}.json")
 
 
