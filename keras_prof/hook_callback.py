@@ -56,12 +56,14 @@ class KerasSession(Session):
 
     framework = "keras"
 
-    def __init__(self, model: keras.Model, epoch_steps: int | None = None) -> None:
+    def __init__(self, model: keras.Model, epoch_steps: int | None = None, epochs: int | None = None) -> None:
         super().__init__(model=model)
         self.epoch_steps = epoch_steps  # the fit's batches per epoch (Keras' `params["steps"]`), None: unknown
         optimizer = getattr(model, "optimizer", None)
         iterations = getattr(optimizer, "iterations", None)
         self._first_step = 0 if iterations is None else int(to_numpy(iterations))
+        if epoch_steps and epochs:  # (at most: a fit from `initial_epoch` > 0 runs fewer epochs)
+            self.final_step = self._first_step + epochs * epoch_steps
         self.steps_done = 0
         # Keras (JAX, TensorFlow) runs `steps_per_execution` batches per train-function call, with one batch
         # callback for them: the global step (the optimizer's) then advances by that much per hookprof step
@@ -230,7 +232,8 @@ class _Fit:
         for hook in hooks:  # hooks left without a directory write where Keras' TensorBoard callback does
             if hasattr(hook, "set_default_output_dir"):
                 hook.set_default_output_dir(DEFAULT_LOG_DIR)
-        self.session = KerasSession(self.model, (leader.params or {}).get("steps"))  # (Keras sets params per fit)
+        params = leader.params or {}  # (Keras sets them per fit)
+        self.session = KerasSession(self.model, params.get("steps"), params.get("epochs"))
         # (with a watch on the train function, the step's trace starts there: a later callback's
         # on_train_batch_begin that raises then leaves no profiler running)
         self.driver = HookedSession(hooks, tracer_factory(self.model), defer_trace=self.watch is not None)

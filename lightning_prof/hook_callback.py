@@ -58,6 +58,16 @@ class LightningSession(Session):
         self._counter: Any = None  # Lightning's optimizer-step counter, found when training starts
         self._votes: RankVotes | None = None  # `agree`'s all-reduce, made at the first agreement
 
+    @property
+    def final_step(self) -> int | None:  # (see `Session.final_step`)
+        """`max_steps`, or Lightning's estimate of the fit's optimizer steps from its epochs and batches
+        (`estimated_stepping_batches`); None for a fit without end or one Lightning cannot estimate."""
+        try:
+            steps = self.trainer.estimated_stepping_batches
+        except Exception:  # (Lightning's MisconfigurationException: accumulation that changes between epochs)
+            return None
+        return None if steps == float("inf") or steps < 0 else int(steps)
+
     def agree(self, decisions: Sequence[bool], reduce: str = "any") -> list[bool]:
         """The ranks' decisions made together, as the trainer's `strategy.reduce_boolean_decision` makes one (a
         SUM all-reduce of 0/1), all of a step's decisions in one collective. Where torch.distributed runs the

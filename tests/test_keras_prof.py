@@ -289,3 +289,25 @@ def test_a_jax_train_function_given_loaded_batches_gets_them_as_they_are():
     assert watch("state", iterator) == "ran" and seen[2] is iterator
     fit.driver.watched = True  # (a trigger watches: its phases are marked, the batches wrapped)
     assert watch("state", iter(["d"])) == "ran" and type(seen[3]).__name__ == "WaitedBatches"
+
+
+@pytest.mark.parametrize("epochs, started", [(2, True), (1, False)])
+def test_a_fit_whose_schedule_traces_starts_the_render_worker_with_its_first_step(tmp_dir, epochs, started):
+    """Keras' epochs times batches say whether step 10 comes: 2 epochs of 6 batches trace it, and the worker
+    runs from the second batch on; 1 epoch starts none."""
+    from hookprof._runtime import worker
+
+    class WorkerSeen(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.running = []
+
+        def on_train_batch_begin(self, batch, logs=None):
+            process = worker.WORKER._process
+            self.running.append(process is not None and process.poll() is None)
+
+    seen = WorkerSeen()
+    hook = ProfilerHook(save_steps=10, output_dir=tmp_dir, tensorboard=False)
+    fit(model(), [seen, hook], epochs=epochs)
+    assert seen.running[:2] == [False, started] and all(r == started for r in seen.running[1:9])
+    assert len(hook.saved_paths) == int(started)

@@ -16,6 +16,7 @@ import textwrap
 import threading
 import time
 
+import lightning as L
 import orjson
 import pytest
 import torch
@@ -602,3 +603,28 @@ def test_a_worker_hung_while_starting_is_judged_by_its_cpu_and_none_is_started_a
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
         own.stop()
+
+
+class WorkerSeen(L.Callback):
+    """Whether a render worker process runs at each batch's start (before the hooks of that batch run)."""
+
+    def __init__(self):
+        self.running: list[bool] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        process = worker.WORKER._process
+        self.running.append(process is not None and process.poll() is None)
+
+
+@pytest.mark.parametrize("max_steps, started", [(12, True), (9, False)])
+def test_a_fit_whose_schedule_traces_starts_the_worker_with_its_first_step(tmp_path, max_steps, started):
+    """Its interpreter starts beside the steps before the first traced one (step 10), not with it; a fit that
+    ends before its first timeline starts none (max_steps 9, or an epoch of 8 batches: both Lightning's
+    `estimated_stepping_batches`)."""
+    seen = WorkerSeen()
+    hook = ProfilerHook(save_steps=10, output_dir=str(tmp_path), tensorboard=False)
+    trainer(str(tmp_path), [seen, hook], max_steps=max_steps, max_epochs=2).fit(TinyModel(), loader(n=48))
+    # the count starts at step 1 (it runs untraced, TF's first step): the worker from batch 1 on, or never
+    assert seen.running[:2] == [False, started] and all(r == started for r in seen.running[1:9])
+    assert len(hook.saved_paths) == int(started)
+    assert worker.WORKER._process is None  # (stopped with the fit)

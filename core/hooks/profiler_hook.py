@@ -266,6 +266,13 @@ class ProfilerHook(PeriodicHook):
             # TF 1.14+: the first step starts the count; the first timeline comes N steps or seconds later.
             # (the step before this run's first; a NeverTriggerTimer, with triggers alone, ignores it)
             timer.update_last_triggered_step(step - self._run_steps())
+            final = getattr(session, "final_step", None)
+            if self.save_steps and self._writes_here and final is not None and \
+                    step - self._run_steps() + self.save_steps <= final:
+                # this fit will trace: the render worker's interpreter and imports (0.3 s to a second or more)
+                # start now, beside the steps before the first traced one, not with it (where the next traced
+                # steps, tens of milliseconds apart on a GPU, would wait for them)
+                self.pipeline.start_worker()
         elif self._wanted:
             if periodic:
                 timer.update_last_triggered_step(step)
