@@ -126,6 +126,19 @@ def test_a_step_that_needs_only_the_export_stops_without_python_events_and_keeps
     assert cheap == full and any(op[0] == "aten::addmm" and "flops" in op[6] for op in full)
 
 
+@pytest.mark.skipif(export_only_config() is None, reason="this torch has no _ExperimentalConfig(trace_only=)")
+def test_a_cpu_model_on_a_host_with_a_gpu_traces_as_on_a_cpu_host(monkeypatch):
+    """CUDA activity is recorded where the process has started CUDA, not wherever a GPU is there: seen on the
+    lent H100, a CPU model's steps carried the CUDA runtime's calls (each with a per-step correlation id) and
+    took the CUDA paths (a full stop, every step walking its tree). Here a GPU is said to be there, and the
+    process never started CUDA: the step stops cheaply, as on a CPU host."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert not torch.cuda.is_initialized()
+    model = Net()
+    results, _ = step_content(model, TorchTracer(model), FULL)
+    assert len(results.experimental_event_tree()) == 0
+
+
 def test_dataflow_memory_and_stacks_keep_the_full_stop():
     """Dataflow and memory read the event tree, and torch refuses the cheap stop with Python stacks."""
     model = Net()

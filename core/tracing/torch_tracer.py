@@ -213,7 +213,9 @@ class TorchTracer(Tracer):
                 "hookprof skips its traces while it runs"
             )
         self._options = options
-        use_cuda = torch.cuda.is_available() and options.trace_level >= TraceLevel.HARDWARE_TRACE
+        # CUDA activity where this process uses CUDA: a model trained on the CPU of a host with a GPU records none
+        # (its steps would carry the CUDA runtime's per-step correlation ids, and take the CUDA paths below)
+        use_cuda = torch.cuda.is_initialized() and options.trace_level >= TraceLevel.HARDWARE_TRACE
         full = options.trace_level >= TraceLevel.FULL_TRACE
         # A step that needs only kineto's export stops cheaper when torch builds nothing for Python (the event
         # tree is what dataflow and memory read; torch refuses the option with Python stacks). CUDA steps keep
