@@ -1,4 +1,5 @@
-"""One 2-rank gloo DDP `Trainer.fit` on CPU, for tests/test_ddp_agree.py: `python tests/ddp_fit.py SCENARIO OUT`.
+"""One 2-rank DDP `Trainer.fit`, for tests/test_ddp_agree.py and tests/test_cuda.py: `python tests/ddp_fit.py
+SCENARIO OUT`. Gloo on CPU, except the `agree_on_*` scenarios (`DefaultGroupNotGloo`).
 
 Each rank writes what it saw to `OUT/rank<r>.json` (its global step at the end, the steps it saved or traced).
 The process group times out after `TIMEOUT` seconds, so a rank left waiting in a collective fails the fit
@@ -17,6 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 from lightning.pytorch.callbacks import Callback  # noqa: E402
 from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
 
@@ -103,6 +105,64 @@ class AgreeCost(Callback):
                 self.micros[name] = min(micros, self.micros.get(name, micros))
 
 
+class DefaultGroupNotGloo(DDPStrategy):
+    """DDP whose default process group runs `backend`, not gloo, as NCCL's does on a host with a GPU per rank: the
+    strategy's own collectives (DDP's gradients, barrier, broadcast, reduce, all_gather) go through a gloo group
+    of all ranks, so that hookprof's agreement meets a default group it cannot put CPU tensors on.
+
+    `backend`: "nccl", two ranks on one GPU (NCCL refuses to share a device between ranks, so its communicator
+    must never be made: no `device_id` at init, no collective on the default group); or "fake", torch's test
+    backend whose collectives do nothing (the same code path on CPU)."""
+
+    def __init__(self, backend: str, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.backend = backend
+        self.gloo = None
+
+    def setup_distributed(self) -> None:
+        if self.backend == "fake":
+            import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the backend)
+        self.set_world_ranks()
+        self._process_group_backend = self.backend
+        env = self.cluster_environment  # (a store of our own: the fake backend would otherwise get one gloo cannot use)
+        store = dist.TCPStore(env.main_address, env.main_port, env.world_size(), env.global_rank() == 0,
+                              timeout=self._timeout)
+        dist.init_process_group(self.backend, store=store, rank=env.global_rank(), world_size=env.world_size(),
+                                timeout=self._timeout)
+        self.gloo = dist.new_group(backend="gloo", timeout=self._timeout)
+        self._ddp_kwargs["process_group"] = self.gloo
+
+    def barrier(self, *args, **kwargs) -> None:
+        dist.barrier(group=self.gloo)
+
+    def broadcast(self, obj, src: int = 0):
+        objects = [obj]
+        dist.broadcast_object_list(objects, src, group=self.gloo)
+        return objects[0]
+
+    def reduce(self, tensor, group=None, reduce_op="mean"):
+        return super().reduce(tensor, self.gloo if group is None else group, reduce_op)
+
+    def all_gather(self, tensor, group=None, sync_grads=False):
+        return super().all_gather(tensor, self.gloo if group is None else group, sync_grads)
+
+
+class AgreementGroup(SessionRunHook):
+    """What each step's agreement ran on: the default group's backend and the agreement group's (None: none yet)."""
+
+    def __init__(self) -> None:
+        self.backends: list = []
+        self.default_backend = ""
+        self.groups: set = set()
+
+    def after_run(self, run_context, run_values) -> None:
+        votes = run_context.session._votes
+        self.default_backend = str(dist.get_backend())
+        self.backends.append(None if votes is None else str(dist.get_backend(votes.group)))
+        if votes is not None:
+            self.groups.add(votes.group)
+
+
 def nan_on_rank_1(state) -> float:
     """A value non-finite on rank 1 at step 3 only (a trigger's fetch)."""
     return float("nan") if state.session.rank == 1 and state.step == 3 else 1.0
@@ -140,10 +200,18 @@ def main(scenario: str, out: str) -> None:
         max_steps = 2
         callbacks = [cost, HookCallback([SessionRunHook()])]
         record["agree_us"] = cost.micros
+    elif scenario in ("agree_on_fake", "agree_on_nccl"):
+        seen = AgreementGroup()
+        callbacks = [HookCallback([StopOnRank(rank=1, step=3), seen])]
     else:
         raise SystemExit(f"unknown scenario {scenario!r}")
-    trainer = L.Trainer(strategy=DDPStrategy(timeout=datetime.timedelta(seconds=TIMEOUT)), devices=2,
-                        accelerator="cpu", max_steps=max_steps, callbacks=callbacks, default_root_dir=out,
+    timeout = datetime.timedelta(seconds=TIMEOUT)
+    where = dict(devices=2, accelerator="cpu", strategy=DDPStrategy(timeout=timeout))
+    if scenario.startswith("agree_on_"):
+        where["strategy"] = DefaultGroupNotGloo(scenario.removeprefix("agree_on_"), timeout=timeout)
+        if scenario == "agree_on_nccl":  # one GPU: two "nodes" of one device each, both started by the caller
+            where.update(devices=1, num_nodes=2, accelerator="gpu")
+    trainer = L.Trainer(**where, max_steps=max_steps, callbacks=callbacks, default_root_dir=out,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False)
     try:
@@ -152,6 +220,10 @@ def main(scenario: str, out: str) -> None:
         record["error"] = f"{type(error).__name__}: {error}"
     rank = trainer.global_rank
     record.update(rank=rank, global_step=trainer.global_step)
+    if scenario.startswith("agree_on_"):
+        live = set(dist.distributed_c10d._world.pg_map) if dist.is_initialized() else set()
+        record.update(default_backend=seen.default_backend, agreement_backends=seen.backends,
+                      agreement_groups=len(seen.groups), agreement_group_left=bool(seen.groups & live))
     if scenario == "straggler":
         with open(os.path.join(out, f"rank{rank}.prof"), "wb") as f:
             f.write(profiler.serialize_to_string())

@@ -7,6 +7,7 @@ Every test here needs a CUDA device and skips without one (CI has none: they run
 from __future__ import annotations
 
 import collections
+import json
 import os
 import subprocess
 import sys
@@ -297,3 +298,20 @@ def test_ddp_two_ranks_on_the_gpu_write_per_rank_files_hta_reads(tmp_path):
     breakdown = analysis.get_temporal_breakdown(visualize=False)
     assert list(breakdown["rank"]) == [0, 1]
     assert (breakdown["compute_time(us)"] > 0).all()
+
+
+def test_ddp_under_nccl_agrees_on_a_gloo_group_of_the_fits_own(tmp_path):
+    """NCCL runs the default group (as with a GPU per rank; on this one GPU the strategy's own collectives go
+    through gloo, tests/ddp_fit.py's `DefaultGroupNotGloo`): a stop one rank asks for stops both, agreed on a
+    CPU gloo group that the fit makes and destroys."""
+    from tests.test_ddp_agree import assert_agreed_on_a_gloo_group_of_the_fits_own
+
+    base = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT="29573", WORLD_SIZE="2", LOCAL_RANK="0")
+    procs = [subprocess.Popen([sys.executable, os.path.join(REPO, "tests", "ddp_fit.py"), "agree_on_nccl",
+                               str(tmp_path)], env=dict(base, NODE_RANK=str(r)), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, cwd=str(tmp_path))
+             for r in (0, 1)]
+    logs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], logs[0][-3000:] + logs[1][-3000:]
+    ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert_agreed_on_a_gloo_group_of_the_fits_own(ranks, "nccl")

@@ -54,6 +54,23 @@ def test_a_user_hook_stopping_one_rank_stops_both(tmp_path):
     assert [r["global_step"] for r in ranks] == [3, 3]
 
 
+def test_where_the_default_group_cannot_carry_cpu_tensors_the_fit_agrees_on_a_gloo_group_of_its_own(tmp_path):
+    """As under NCCL: the default group is torch's "fake" backend here (tests/test_cuda.py runs NCCL on a GPU)."""
+    assert_agreed_on_a_gloo_group_of_the_fits_own(fit("agree_on_fake", tmp_path), "fake")
+
+
+def assert_agreed_on_a_gloo_group_of_the_fits_own(ranks: list[dict], default_backend: str) -> None:
+    """What tests/ddp_fit.py's `agree_on_*` scenarios recorded (a user hook stops rank 1 at step 3)."""
+    assert [r.get("error") for r in ranks] == [None, None]
+    assert [r["global_step"] for r in ranks] == [3, 3]  # the stop on rank 1 stopped both
+    for rank in ranks:
+        assert rank["default_backend"] == default_backend
+        # one gloo group, made at step 1's agreement (after the recording hook ran), the same at each later
+        # step, and destroyed once the fit ended
+        assert rank["agreement_backends"] == [None, "gloo", "gloo"] and rank["agreement_groups"] == 1
+        assert rank["agreement_group_left"] is False
+
+
 def test_a_seconds_checkpoint_schedule_saves_the_same_steps_on_both_ranks(tmp_path):
     # rank 0 reads its clock 30 ms after rank 1 each step; every save is Lightning's collective save
     ranks = fit("checkpoint_secs", tmp_path)
