@@ -23,8 +23,7 @@ from hookprof.tensorboard.graph import graph_and_run_metadata, graph_name, node_
 from hookprof.tracing.dataflow import DataEdge
 from lightning_prof import HookCallback, ProfilerHook
 from tests.conftest import RecordingHook
-from tests.lightning_models import TinyModel, loader, trainer
-from tests.test_step_identity import HeldAtTheEnd
+from tests.lightning_models import HeldAtTheEnd, TinyModel, loader, trainer
 
 # TensorFlow's DataType numbers (tensorflow/core/framework/types.proto), independent of graph.py's table
 TF_DTYPES = {"float32": 1, "float64": 2, "int32": 3, "uint8": 4, "int16": 5, "int8": 6, "complex64": 8, "int64": 9,
@@ -202,8 +201,8 @@ def test_each_fit_keeps_its_own_step_graph_names_until_it_ends(tmp_dir, render_w
             probe = HeldAtTheEnd(hook, held)
             before = set(held()) if not render_worker or worker.WORKER.answered else set()
             trainer(out, [probe, hook], 4).fit(TinyModel(), loader())
-            (mine,) = set(probe.fits) - before  # the fit's own, while it ran: the names of its steps' ops
-            assert probe.fits[mine] > 10
+            (mine,) = set(probe.at_end) - before  # the fit's own, while it ran: the names of its steps' ops
+            assert probe.at_end[mine] > 10
             assert mine not in held()  # gone once the fit ended
             runs.append(mine)
     finally:
