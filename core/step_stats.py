@@ -298,7 +298,6 @@ class KernelsOf:
 
     def __init__(self, stats: StepStats) -> None:
         self._launched = stats.launched_kernels()
-        self.any = bool(self._launched)  # whether any op launched a kernel (else every op's list is empty)
         self._threads: dict[int, tuple[list[int], list[NodeExecStats]]] | None = None
         self._stats = stats
 

@@ -1,4 +1,5 @@
-"""A tiny LightningModule (y = fc2(relu(fc1(x)))) and Trainer settings for fast CPU fits."""
+"""A tiny LightningModule (y = fc2(relu(fc1(x)))), Trainer settings for fast CPU fits, and a callback that asks
+what a fit left where its steps were converted and rendered, at its end."""
 
 from __future__ import annotations
 
@@ -41,3 +42,17 @@ def trainer(root: str, callbacks, max_steps: int, **kwargs) -> L.Trainer:
         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
         log_every_n_steps=1, **kwargs,
     )
+
+
+class HeldAtTheEnd(L.Callback):
+    """At the fit's end, before the ProfilerHook's (placed before it), its traced steps converted and rendered:
+    what the process that did it holds for fits (`at_end`: what `held()` says then) and the fit's token, by which
+    its renders keep their parts (`token`)."""
+
+    def __init__(self, hook, held):
+        self.hook, self.held, self.token, self.at_end = hook, held, None, None
+
+    def on_train_end(self, trainer, pl_module):
+        assert self.hook.saved_paths  # (waits for every traced step to be converted and rendered)
+        self.token = self.hook.hook.pipeline._fit
+        self.at_end = self.held()

@@ -19,6 +19,7 @@ from hookprof.hooks import CaptureOptions, ProfilerHook, RunMetadata
 from hookprof.hooks.capture import CapturePipeline, Retention
 from hookprof.hooks.trigger_watch import CaptureWindow, TriggerWatch
 from hookprof.step_stats import DeviceStepStats, NodeExecStats, StepStats
+from hookprof.tensorboard.events import FrameworkStream
 from hookprof.trace import ChromeTraceWriter
 from hookprof.tracing import HOST_DEVICE, StepTraceCoordinator
 from hookprof.triggers import NonFinite, StepObservation
@@ -64,7 +65,7 @@ def read(path):
 def test_the_pipeline_writes_a_steps_timeline_and_its_tensorboard_events(tmp_path, render_worker):
     pipeline = pipeline_for(tmp_path, render_worker=render_worker)  # (stats, no export: rendered here either way)
     sink = Sink()
-    path = submit(pipeline, tmp_path, 3, sink)
+    path = submit(pipeline, tmp_path, 3, FrameworkStream(sink))  # (a framework's writer as the run's stream)
     assert pipeline.saved_paths == [path]
     trace = read(path)
     assert {"aten::op0", "aten::op1"} <= {e.get("name") for e in trace["traceEvents"]}

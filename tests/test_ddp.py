@@ -137,17 +137,23 @@ SPAWN_SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_ddp_spawn_parent_callbacks_read_what_rank_0_wrote(tmp_path):
-    """Under ddp_spawn the ranks run copies of the callbacks; the callbacks the user holds in the parent report what
-    rank 0's copies ended with (they reported nothing), and the channel leaves nothing in the temp directory."""
-    script = tmp_path / "spawn_fit.py"
-    script.write_text(SPAWN_SCRIPT.format(repo=REPO))
+def run_in_own_tmpdir(tmp_path, template):
+    """Run the script `template` in a process of its own whose TMPDIR is a fresh `tmp_path/tmp`: the result.json it
+    writes into `tmp_path`, and that TMPDIR."""
+    script = tmp_path / "script.py"
+    script.write_text(template.format(repo=REPO))
     scratch = tmp_path / "tmp"
     scratch.mkdir()
     done = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=300,
                           cwd=str(tmp_path), env={**os.environ, "TMPDIR": str(scratch)})
     assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads((tmp_path / "result.json").read_text())
+    return json.loads((tmp_path / "result.json").read_text()), scratch
+
+
+def test_ddp_spawn_parent_callbacks_read_what_rank_0_wrote(tmp_path):
+    """Under ddp_spawn the ranks run copies of the callbacks; the callbacks the user holds in the parent report what
+    rank 0's copies ended with (they reported nothing), and the channel leaves nothing in the temp directory."""
+    result, scratch = run_in_own_tmpdir(tmp_path, SPAWN_SCRIPT)
     assert result["before"] == [] and result["parent_hook_ran"] == []  # the parent's own hooks never ran
     written = sorted(n for n in os.listdir(tmp_path / "prof") if n.startswith("timeline-"))
     assert written == ["timeline-2-rank0.json", "timeline-2-rank1.json", "timeline-4-rank0.json",
@@ -159,15 +165,41 @@ def test_ddp_spawn_parent_callbacks_read_what_rank_0_wrote(tmp_path):
     assert not list(scratch.glob("hookprof-*/*.pickle"))  # (what rank 0 sent was taken)
 
 
-def test_a_callback_copied_in_its_own_process_sends_nothing_into_the_originals_file(tmp_path):
-    """A copy made in the callback's own process (`copy.deepcopy`, a pickle round trip) is no rank's copy: it has
-    a results file of its own, so neither takes the other's rank-0 results."""
-    import copy
-    import pickle
-
+COPIES_SCRIPT = textwrap.dedent("""
+    import copy, json, multiprocessing, os, pickle, sys
+    sys.path.insert(0, {repo!r})
     from lightning_prof import ProfilerHook
 
-    callback = ProfilerHook(save_steps=2, output_dir=str(tmp_path))
-    pickle.dumps(callback)  # (pickled at home: its results directory is claimed)
-    for twin in (copy.deepcopy(callback), pickle.loads(pickle.dumps(callback))):
-        assert not twin._home.away and twin._home._name != callback._home._name
+    def report(callback, path):  # (in the spawned process: what its copy knows)
+        with open(path, "w") as f:
+            json.dump({{"away": callback._home.away, "directory": callback._home._directory}}, f)
+
+    def names(callback):
+        return [[twin._home.away, twin._home._name != callback._home._name, twin._home._directory]
+                for twin in (copy.deepcopy(callback), pickle.loads(pickle.dumps(callback)))]
+
+    if __name__ == "__main__":  # (spawn runs this file again in the child)
+        out = sys.argv[1]
+        callback = ProfilerHook(save_steps=2, output_dir=out)
+        before = names(callback)
+        claimed = [n for n in os.listdir(os.environ["TMPDIR"]) if n.startswith("hookprof-")]
+        child = multiprocessing.get_context("spawn").Process(target=report, args=(callback, out + "/child.json"))
+        child.start()
+        child.join()
+        with open(out + "/result.json", "w") as f:
+            json.dump({{"before": before, "claimed": claimed, "directory": callback._home._directory,
+                       "after": names(callback)}}, f)
+""")
+
+
+def test_a_callback_copied_in_its_own_process_claims_nothing_and_sends_nothing_into_the_originals_file(tmp_path):
+    """A copy made in the callback's own process (`copy.deepcopy`, a pickle round trip) is no rank's copy: no
+    directory is claimed for it (the process's own stays unmade), and it has a results file of its own, so
+    neither takes the other's rank-0 results; a copy pickled for a process multiprocessing spawns carries the
+    claimed directory."""
+    result, scratch = run_in_own_tmpdir(tmp_path, COPIES_SCRIPT)
+    assert result["claimed"] == [] and result["before"] == [[False, True, None]] * 2
+    directory = result["directory"]
+    assert os.path.dirname(directory) == str(scratch) and os.path.basename(directory).startswith("hookprof-")
+    assert json.loads((tmp_path / "child.json").read_text()) == {"away": True, "directory": directory}
+    assert result["after"] == [[False, True, directory]] * 2

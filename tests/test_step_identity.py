@@ -20,7 +20,7 @@ from hookprof.tracing.step_identity import DATAFLOW_MISSING, TEMPLATES, held_fit
 from hookprof.tracing.torch_tracer import TorchTracer
 from lightning_prof import ProfilerHook
 from tests.conftest import load_trace
-from tests.lightning_models import TinyModel, loader, trainer
+from tests.lightning_models import HeldAtTheEnd, TinyModel, loader, trainer
 
 TENSORS = RunOptions(trace_level=TraceLevel.FULL_TRACE, record_dataflow=True, record_memory=True)
 
@@ -160,18 +160,6 @@ def test_a_step_to_borrow_from_that_was_converted_elsewhere_does_not_count_towar
     assert identities.mode() is None
 
 
-class HeldAtTheEnd(L.Callback):
-    """At the fit's end, before the ProfilerHook's (placed before it): its steps flushed, what the process
-    converting its steps holds for fits (`held()`: their tokens, or a dict by token)."""
-
-    def __init__(self, hook, held):
-        self.hook, self.held, self.fits = hook, held, None
-
-    def on_train_end(self, trainer, pl_module):
-        assert self.hook.saved_paths  # (waits for every traced step to be converted)
-        self.fits = self.held()
-
-
 @pytest.mark.parametrize("render_worker", [True, False], ids=["worker", "in-process"])
 def test_a_fit_s_template_goes_when_the_fit_ends(tmp_dir, render_worker):
     """A fit's template is the fit's (its FitRun's): gone once the fit ends, from the render worker (which
@@ -185,7 +173,7 @@ def test_a_fit_s_template_goes_when_the_fit_ends(tmp_dir, render_worker):
         probe = HeldAtTheEnd(hook, held)
         before = set(held()) if render_worker and worker.WORKER.answered else set(TEMPLATES.tokens())
         trainer(tmp_dir, [probe, hook], 5).fit(TinyModel(), loader())
-        mine = set(probe.fits) - before
+        mine = set(probe.at_end) - before
         assert len(mine) == 1  # the fit's template, while it ran
         assert not mine & set(held())
         assert render_worker == (worker.WORKER._process is not None)

@@ -6,7 +6,6 @@ import contextvars
 import copy
 import dataclasses
 
-import lightning as L
 import pytest
 import torch
 
@@ -22,7 +21,7 @@ from hookprof.tracing import HostTracer
 from hookprof.tracing.torch_tracer import TorchTracer
 from lightning_prof import ProfilerHook
 from tests import worker_probe
-from tests.lightning_models import TinyModel, loader, trainer
+from tests.lightning_models import HeldAtTheEnd, TinyModel, loader, trainer
 
 
 def test_a_nodes_shape_is_every_field_but_its_times():
@@ -99,19 +98,6 @@ def test_a_step_of_another_shape_or_order_reuses_nothing(kept):
 
 
 
-class HeldAtTheEnd(L.Callback):
-    """At the fit's end, before the ProfilerHook's (placed before it), its steps rendered: how many renderers
-    hold a last step's parts where they were rendered."""
-
-    def __init__(self, hook, held):
-        self.hook, self.held, self.count = hook, held, None
-
-    def on_train_end(self, trainer, pl_module):
-        assert self.hook.saved_paths  # (waits for every traced step to be rendered)
-        self.token = self.hook.hook.pipeline._fit  # (the fit's, by which its renders keep their parts)
-        self.count = self.held(self.token)
-
-
 @pytest.mark.parametrize("render_worker", [True, False], ids=["worker", "in-process"])
 def test_what_renderers_keep_of_a_fits_last_step_goes_when_the_fit_ends(tmp_dir, render_worker):
     if render_worker and not worker.AVAILABLE:
@@ -122,9 +108,9 @@ def test_what_renderers_keep_of_a_fits_last_step_goes_when_the_fit_ends(tmp_dir,
     context.run(other.begin)  # a fit in another thread: the worker outlives this one, and is asked after it
     try:
         hook = ProfilerHook(save_steps=1, output_dir=tmp_dir, capture=CaptureOptions(render_worker=render_worker))
-        probe = HeldAtTheEnd(hook, held)
+        probe = HeldAtTheEnd(hook, lambda: held(probe.token))
         trainer(tmp_dir, [probe, hook], 4).fit(TinyModel(), loader())
-        assert probe.count == 3  # the timeline's, the step graph's and the XSpace's, while the fit ran
+        assert probe.at_end == 3  # the timeline's, the step graph's and the XSpace's, while the fit ran
         process = worker.WORKER._process
         assert held(probe.token) == 0
         assert worker.WORKER._process is process and (process is not None) == render_worker  # (the same worker)

@@ -10,6 +10,7 @@ import hypothesis
 import pytest
 from hypothesis import strategies as st
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 from tensorboard.compat.proto.attr_value_pb2 import AttrValue
 from tensorboard.compat.proto.config_pb2 import RunMetadata
 from tensorboard.compat.proto.graph_pb2 import GraphDef
@@ -17,13 +18,12 @@ from tensorboard.compat.proto.node_def_pb2 import NodeDef
 from tensorboard.compat.proto.tensor_shape_pb2 import TensorShapeProto
 
 from hookprof.step_stats import DeviceStepStats, NodeExecStats, StepStats, TensorAllocation, TensorDescription
-from hookprof.tensorboard.events import masked_crc32c
+from hookprof.tensorboard.events import acquire, masked_crc32c, release, use_for
 from hookprof.tensorboard.graph import graph_and_run_metadata, graph_name, node_graph_name, tf_device
 from hookprof.tracing.dataflow import DataEdge
 from lightning_prof import HookCallback, ProfilerHook
 from tests.conftest import RecordingHook
-from tests.lightning_models import TinyModel, loader, trainer
-from tests.test_step_identity import HeldAtTheEnd
+from tests.lightning_models import HeldAtTheEnd, TinyModel, loader, trainer
 
 # TensorFlow's DataType numbers (tensorflow/core/framework/types.proto), independent of graph.py's table
 TF_DTYPES = {"float32": 1, "float64": 2, "int32": 3, "uint8": 4, "int16": 5, "int8": 6, "complex64": 8, "int64": 9,
@@ -139,13 +139,34 @@ def test_a_run_gets_its_step_graph_once_while_it_stays_the_same(tmp_dir, caplog)
         def add_event(self, event):
             self.events.append(event)
 
-    pipeline = CapturePipeline(ChromeTraceWriter())
-    job = Job(1, types.SimpleNamespace(step=1), None, os.path.join(tmp_dir, "t.json"), None, Stream(), None)
-    for step, digest in enumerate([b"a", b"a", b"b", b"a"]):
-        pipeline.store(job, Rendered(events=[Event(step=step, graph_def=digest), Event(step=step)],
-                                     graph_digest=digest))
-    graphs = [e.graph_def for e in job.events.events if e.HasField("graph_def")]
-    assert graphs == [b"a", b"b", b"a"] and len(job.events.events) == 7  # a changed graph is written again
+    stream, run = Stream(), os.path.join(tmp_dir, "run")
+    use_for(run, stream)  # (a framework's writer as the run's stream)
+    pipelines = CapturePipeline(ChromeTraceWriter()), CapturePipeline(ChromeTraceWriter())  # two hooks' on it
+    job = Job(1, types.SimpleNamespace(step=1), None, os.path.join(tmp_dir, "t.json"), None, acquire(run), None)
+    try:
+        for step, digest in enumerate([b"a", b"a", b"b", b"a"]):
+            pipelines[step % 2].store(job, Rendered(events=[Event(step=step, graph_def=digest), Event(step=step)],
+                                                    graph_digest=digest))
+    finally:
+        release(run)
+    graphs = [e.graph_def for e in stream.events if e.HasField("graph_def")]
+    assert graphs == [b"a", b"b", b"a"] and len(stream.events) == 7  # a changed graph is written again
+
+
+def test_hooks_that_share_a_run_write_its_step_graph_once(tmp_dir, caplog):
+    """Two ProfilerHooks writing into Lightning's run directory share its event stream (the logger's file), and
+    the stream keeps the last graph written: the run's graph is written once, not once a hook."""
+    hooks = [ProfilerHook(save_steps=2), ProfilerHook(save_steps=3, name="other")]
+    t = trainer(tmp_dir, hooks, 6)
+    t.fit(TinyModel(), loader())
+    events = [e for name in os.listdir(t.log_dir) if name.startswith("events.out.tfevents.")
+              for e in EventFileLoader(os.path.join(t.log_dir, name)).Load()]
+    assert sum(e.HasField("graph_def") for e in events) == 1
+    acc = EventAccumulator(t.log_dir, size_guidance={"run_metadata": 0})
+    with caplog.at_level(logging.WARNING, logger="tensorboard"):
+        acc.Reload()
+    assert {"step_2", "step_3", "step_4", "step_6"} == set(acc.Tags()["run_metadata"]) and acc.Tags()["graph"]
+    assert not [r for r in caplog.records if "more than one graph" in r.getMessage()]
 
 
 def graph_names_here():
@@ -180,8 +201,8 @@ def test_each_fit_keeps_its_own_step_graph_names_until_it_ends(tmp_dir, render_w
             probe = HeldAtTheEnd(hook, held)
             before = set(held()) if not render_worker or worker.WORKER.answered else set()
             trainer(out, [probe, hook], 4).fit(TinyModel(), loader())
-            (mine,) = set(probe.fits) - before  # the fit's own, while it ran: the names of its steps' ops
-            assert probe.fits[mine] > 10
+            (mine,) = set(probe.at_end) - before  # the fit's own, while it ran: the names of its steps' ops
+            assert probe.at_end[mine] > 10
             assert mine not in held()  # gone once the fit ended
             runs.append(mine)
     finally:

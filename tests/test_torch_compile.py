@@ -75,3 +75,24 @@ def test_a_compiled_submodule_keeps_its_scope_and_the_others_theirs(tmp_path, ca
         assert scopes(events) == {"TinyModel", "TinyModel/fc1", "TinyModel/fc2", "optimizer/SGD"}
         fc1 = {e["name"] for e in events if e.get("args", {}).get("scope") == "TinyModel/fc1"}
         assert any(name.startswith("Torch-Compiled Region") for name in fc1)  # its compiled code, under its scope
+
+
+def test_what_runs_compiled_is_found_once_a_fit_and_anew_in_the_next(tmp_path, caplog, monkeypatch):
+    # a fit's traced steps share what its first found compiled (no walk of every module's attributes each
+    # traced step); a model compiled in place after one fit is found in the next, which drops the hooks
+    from hookprof.tracing import torch_tracer
+
+    looked_at = []
+    find = torch_tracer._compiled
+    monkeypatch.setattr(torch_tracer, "_compiled", lambda path, module: looked_at.append(path) or find(path, module))
+    model = TinyModel()
+    timelines, said = traced_fit(tmp_path / "plain", caplog, model)
+    assert said == [] and sorted(looked_at) == ["TinyModel", "TinyModel.fc1", "TinyModel.fc2"]  # (3 traced steps)
+    assert all(scopes(events) == {"TinyModel", "TinyModel/fc1", "TinyModel/fc2", "optimizer/SGD"}
+               for events in timelines)
+    caplog.clear()
+    model.compile(backend="eager")
+    timelines, said = traced_fit(tmp_path / "compiled", caplog, model)
+    assert len(said) == 1 and said[0].startswith("The model runs code torch.compile made (TinyModel.compile())")
+    assert len(looked_at) == 6
+    assert all(scopes(events) == {"optimizer/SGD"} for events in timelines)

@@ -5,11 +5,13 @@ there, and the callbacks the user holds in the parent process never run. Lightni
 weights, `trainer.state` and `trainer.callback_metrics` (its launcher's `get_extra_results`, which a user
 changes by subclassing the launcher), and the parent calls no callback after the ranks end: a callback has no
 route of the framework's own to the object the user reads. So the copy writes a file that the object at home
-reads: when the object is pickled in its home process, that process's private directory is claimed
-(`PROCESS_DIRECTORY`, which kineto's exports use too: mode 0700, removed when the process exits, swept by a
-later one if it died) and the copy carries its path and a random file name; the copy writes the file
-atomically when its fit ends, and reading at home takes the values and removes the file. A copy made without
-pickling (a fork) knows no directory and sends nothing.
+reads: when the object is pickled in its home process for a process that `multiprocessing` starts (spawn or
+forkserver, as `ddp_spawn` starts its ranks), that process's private directory is claimed (`PROCESS_DIRECTORY`,
+which kineto's exports use too: mode 0700, removed when the process exits, swept by a later one if it died)
+and the copy carries its path and a random file name; the copy writes the file atomically when its fit ends,
+and reading at home takes the values and removes the file. A copy made without pickling (a fork), or by a
+pickle that starts no process (`copy.deepcopy`, a checkpoint), knows no directory and sends nothing: none is
+claimed for it.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import logging
 import os
 import pickle
 import secrets
+from multiprocessing.context import get_spawning_popen
 from typing import Any
 
 from hookprof._runtime.atomic_file import atomic_write
@@ -34,7 +37,7 @@ class SentHome:
     def __init__(self) -> None:
         self._pid = os.getpid()
         self._name = f"{secrets.token_hex(8)}.pickle"
-        self._directory: str | None = None  # claimed when the object is first pickled at home
+        self._directory: str | None = None  # claimed when the object is first pickled at home for another process
         self._received: dict[str, Any] = {}
 
     @property
@@ -43,7 +46,8 @@ class SentHome:
         return os.getpid() != self._pid
 
     def __getstate__(self) -> dict[str, Any]:
-        if not self.away and self._directory is None:
+        # (multiprocessing pickles a process's arguments with its spawning `Popen` set: only that copy runs elsewhere)
+        if not self.away and self._directory is None and get_spawning_popen() is not None:
             try:
                 self._directory = PROCESS_DIRECTORY.path()
             except OSError as error:  # (no temporary directory: the copy sends nothing, the home reads its own)

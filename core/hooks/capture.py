@@ -35,7 +35,7 @@ from hookprof._runtime.fit_run import on_fit_end
 from hookprof._runtime.warn_once import WarnOnce
 from hookprof.hooks.trigger_watch import CaptureWindow
 from hookprof.step_stats import DeviceStepStats, KeptParts, NodeExecStats, StepShape, StepStats
-from hookprof.tensorboard.events import EventWriter, SerializedEvent
+from hookprof.tensorboard.events import SerializedEvent
 from hookprof.trace import format as fmt
 from hookprof.trace import xplane
 from hookprof.trace.writer import ChromeTraceWriter
@@ -413,8 +413,6 @@ class CapturePipeline:
         self._rendering: BackgroundJob | None = None  # the last job waiting for the render worker (RENDERS)
         self._run_paths: set[str] = set()  # the timelines this run wrote (another fit's are never overwritten)
         self._writes: collections.deque[BackgroundJob] = collections.deque()  # on the disk's worker, in order
-        # a sink's last step graph (see `store`): (id of the sink, which lives as long as the run, digest)
-        self._last_graph: tuple[int, bytes] | None = None
         self._fit: str | None = None  # the run's token (see `begin`)
         self.skipped_traces = 0  # steps due to be traced while max_pending_writes files waited for the disk
         self.skipped_since_file = 0  # of those, the ones no file's metadata has reported yet
@@ -439,7 +437,6 @@ class CapturePipeline:
         self.retention.reset()
         self._run_paths.clear()
         self.profile_retention.reset()
-        self._last_graph = None  # (a new run's sink gets its graph)
         # what this run's renders keep from one step to the next, where they run (`KEPT_PARTS`): the fit's, gone
         # when it ends (outside a fit, nothing is kept)
         token = uuid.uuid4().hex
@@ -472,9 +469,10 @@ class CapturePipeline:
 
     def submit(self, step: int, run_metadata: Any, session: Any, path: str, output_dir: str | None, events: Any,
                capture: CaptureWindow | None = None) -> BackgroundJob:
-        """Hand a traced step over: its timeline goes to `path`, its TensorBoard events to `events` (None for
-        none). Converting the step's events and writing them costs as much as torch's profiler stop: it runs on
-        the background thread while training goes on (see hookprof._runtime.background)."""
+        """Hand a traced step over: its timeline goes to `path`, its TensorBoard events to `events` (the log
+        directory's `SharedStream`; None for none). Converting the step's events and writing them costs as much
+        as torch's profiler stop: it runs on the background thread while training goes on (see
+        hookprof._runtime.background)."""
         skipped, self.skipped_since_file = self.skipped_since_file, 0
         job = Job(step, run_metadata, session, path, output_dir, events, capture, skipped, self.options.profile_tab,
                   self._fit)
@@ -620,23 +618,15 @@ class CapturePipeline:
         if xspace is not None and job.output_dir is not None and job.spec.profile_host is not None:
             self._write_xspace(profile_run_path(job.output_dir, job.step, job.spec.profile_host), xspace,
                                rendered.native_xspace)
-        events = rendered.events
+        events, stream = rendered.events, job.events
         if events:
-            digest, ours = rendered.graph_digest, isinstance(job.events, EventWriter)
-            # (the last graph: kept by hookprof's own stream, which hooks share; by this pipeline for a sink)
-            last = job.events.graph_digest if ours else (
-                self._last_graph[1] if self._last_graph is not None and self._last_graph[0] == id(job.events) else None)
-            if digest is not None and digest == last:
+            digest = rendered.graph_digest
+            if digest is not None and digest == stream.graph_digest:  # (the stream's, which hooks share)
                 events = events[1:]
             try:
                 for event in events:
-                    if isinstance(event, SerializedEvent) and not ours:
-                        event = event.proto()  # a sink passing events to someone else's writer
-                    job.events.add_event(event)
-                if ours:
-                    job.events.graph_digest = digest
-                else:
-                    self._last_graph = (id(job.events), digest) if digest is not None else None
+                    stream.add_event(event)
+                stream.graph_digest = digest
             except Exception as err:  # TensorBoard output must not end the training run either
                 count_dropped(self._counts)
                 reason = (err.strerror or str(err)) if isinstance(err, OSError) else type(err).__name__

@@ -86,7 +86,16 @@ def tf_record(data: bytes) -> bytes:
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)  # (not on Windows, where planting a symlink needs privileges)
 
 
-class EventWriter:
+class SharedStream:
+    """What hookprof's hooks share as a log directory's stream (`acquire`): its `add_event`, and the digest of the
+    last step graph a ProfilerHook wrote into it (`graph_digest`), so that the hooks sharing it write a graph
+    only when it changes (TensorBoard keeps one a run, and warns for each other). An `EventWriter`, or a
+    framework's writer registered with `use_for` (`FrameworkStream`)."""
+
+    graph_digest: bytes | None = None
+
+
+class EventWriter(SharedStream):
     """Appends `Event` protos to an event file of its own in `logdir`, created at the first event.
 
     Writes on the calling thread. Each event is appended and the file closed again, as TensorBoard's own
@@ -103,9 +112,6 @@ class EventWriter:
         self.path: str | None = None  # the file being written
         self._events_in_file = 0
         self._lock = threading.Lock()  # hooks write from the training thread and ProfilerHook's background one
-        # the digest of the last step graph a ProfilerHook wrote here: the hooks sharing this stream write a graph
-        # only when it changes (TensorBoard keeps one a run, and warns for each other)
-        self.graph_digest: bytes | None = None
 
     def add_event(self, event: Any) -> None:
         record = tf_record(event.SerializeToString())
@@ -186,10 +192,28 @@ def check_room(directory: str, nbytes: int) -> None:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), directory)
 
 
+class FrameworkStream(SharedStream):
+    """A framework's own writer (`sink`: anything with `add_event` and `flush`) as a log directory's stream: it gets
+    events as protos (the render worker's come serialized), and is closed with the stream when it has `close`."""
+
+    def __init__(self, sink: Any) -> None:
+        self.sink = sink
+
+    def add_event(self, event: Any) -> None:
+        self.sink.add_event(event.proto() if isinstance(event, SerializedEvent) else event)
+
+    def flush(self) -> None:
+        self.sink.flush()
+
+    def close(self) -> None:
+        _close(self.sink)
+
+
 def use_for(logdir: str, sink: Any) -> None:
-    """Make `sink` (e.g. a framework's own writer) the stream of `logdir` for every hook."""
+    """Make `sink` (e.g. a framework's own writer) the stream of `logdir` for every hook (a new run's: it gets the
+    step graph again)."""
     with _lock:
-        _writers[os.path.abspath(logdir)] = sink
+        _writers[os.path.abspath(logdir)] = FrameworkStream(sink)
 
 
 def event_writer(logdir: str) -> Any:

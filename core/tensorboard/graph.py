@@ -139,30 +139,31 @@ class _Names:
         self.nodes: dict[int, tuple[bytes, bytes]] = {}  # id(node) -> its graph name, and that as field 1
 
     def __call__(self, node: Any) -> tuple[bytes, bytes]:
-        """The node's graph name, and that as field 1 (NodeDef.name, NodeExecStats.node_name)."""
+        """The node's graph name, and that as field 1 (NodeDef.name, NodeExecStats.node_name), kept by the node
+        (an edge's producer feeds several consumers)."""
         named = self.nodes.get(id(node))
-        if named is not None:
-            return named
-        key = (node.node_name, node.phase)
-        known = self.named
-        named = known.get(key)
         if named is None:
-            # `graph_name` works on `/`-free pieces alone: the name is its scope's name, `/`, its leaf's name
-            scope, slash, leaf = node.node_name.rpartition("/")
-            if not slash:
-                scope = node.phase
-            leaf_name = self.leaves.get(leaf)
-            if leaf_name is None:
-                leaf_name = self.leaves[leaf] = graph_name(leaf).encode()
-            if slash or scope:
-                prefix = self.scopes.get(scope)
-                if prefix is None:
-                    prefix = self.scopes[scope] = graph_name(scope).encode() + b"/"
-                leaf_name = prefix + leaf_name
-            if len(known) >= GraphNames.MAX:
-                known.clear()
-            named = known[key] = (leaf_name, _str_bytes(b"\x0a", leaf_name))
-        self.nodes[id(node)] = named
+            named = self.nodes[id(node)] = self.named.get((node.node_name, node.phase)) or self.new(node)
+        return named
+
+    def new(self, node: Any) -> tuple[bytes, bytes]:
+        """`__call__`'s names for a node whose (node name, phase) `named` does not hold yet, kept there."""
+        # `graph_name` works on `/`-free pieces alone: the name is its scope's name, `/`, its leaf's name
+        scope, slash, leaf = node.node_name.rpartition("/")
+        if not slash:
+            scope = node.phase
+        leaf_name = self.leaves.get(leaf)
+        if leaf_name is None:
+            leaf_name = self.leaves[leaf] = graph_name(leaf).encode()
+        if slash or scope:
+            prefix = self.scopes.get(scope)
+            if prefix is None:
+                prefix = self.scopes[scope] = graph_name(scope).encode() + b"/"
+            leaf_name = prefix + leaf_name
+        known = self.named
+        if len(known) >= GraphNames.MAX:
+            known.clear()
+        named = known[(node.node_name, node.phase)] = (leaf_name, _str_bytes(b"\x0a", leaf_name))
         return named
 
 
@@ -170,39 +171,44 @@ def graph_and_run_metadata(stats: StepStats, names: GraphNames | None = None, sh
                            ) -> tuple[bytes, bytes]:
     """The step's dataflow graph (a serialised `GraphDef`: ops as nodes, tensors as edges, module scopes as
     name scopes) and its serialised `RunMetadata` (per-node start, compute time, outputs and bytes
-    allocated), in one pass over the step (the garbage collector paused: a full pass over a large step's
-    objects cost as much as building its graph). `names`: the graph names kept from the fit's earlier steps
+    allocated): the graph and what its nodes' stats hold but their times in one pass over the step, then
+    their times around those (the garbage collector paused: a full pass over a large step's objects cost as
+    much as building its graph). `names`: the graph names kept from the fit's earlier steps
     (None: this step's own). With the step's `shape`: a step of its fit's last one's shape takes its graph and
     its nodes' untimed fields from it (`StepShape.recall`), and this one's are kept for the next."""
     with paused_gc():
         if stats.allocations:  # (their bytes are in their nodes' stats: not decided by the shape)
             shape = None
         parts = None if shape is None else shape.recall("graph")
-        if parts is not None:
-            return parts[0], _timed_run_metadata(stats, parts[1])
-        kept: list[tuple[bytes, list[tuple[bytes, bytes] | None]]] | None = [] if shape is not None else None
-        graph, metadata = _graph_and_run_metadata(stats, (names if names is not None else GraphNames()).named, kept)
-        if shape is not None:
-            shape.keep("graph", None, (graph, kept))
-        return graph, metadata
+        if parts is None:
+            parts = _graph_and_untimed_stats(stats, (names if names is not None else GraphNames()).named)
+            if shape is not None:
+                shape.keep("graph", None, parts)
+        return parts[0], _run_metadata(stats, parts[1])
 
 
-def _timed_run_metadata(stats: StepStats, kept: list[tuple[bytes, list[tuple[bytes, bytes] | None]]]) -> bytes:
-    """`_graph_and_run_metadata`'s RunMetadata from what the step's shape decides (`kept`: per device, its
-    device field and, per node, None for a node that is no op, else its name's field and its output and label
-    fields) and the nodes' times."""
+# Per device of a step: its DeviceStepStats.device field and, per node, None for a node that is no op, else its
+# NodeExecStats' fields before and after its times (node_name; memory, output, timeline_label and thread_id)
+_Untimed = list[tuple[bytes, list[tuple[bytes, bytes] | None]]]
+
+
+def _run_metadata(stats: StepStats, untimed: _Untimed) -> bytes:
+    """The step's serialised RunMetadata: its nodes' `untimed` fields (`_graph_and_untimed_stats`) around their
+    times, NodeExecStats all_start_micros (2), op_end_rel_micros (4) and all_end_rel_micros (5)."""
     durations: dict[int, bytes] = {}
+    sizes = SIZES
     devices = []
-    for dev, (device_field, fields) in zip(stats.dev_stats, kept):
+    for dev, (device_field, fields) in zip(stats.dev_stats, untimed):
         node_stats = [device_field]
         for node, node_fields, start in zip(dev.node_stats, fields, _start_fields(dev.node_stats)):
             if node_fields is not None:
                 micros = max(1, node.duration_ns // 1000)
                 body = (node_fields[0] + start + (durations.get(micros) or _duration(micros, durations))
                         + node_fields[1])
-                size = len(body)
-                node_stats.append(b"\x12" + (SIZES[size] if size < 2048 else varint(size)) + body)
-        devices.append(delimited(b"\x0a", b"".join(node_stats)))
+                size = len(body)  # DeviceStepStats.node_stats (2)
+                node_stats.append(b"\x12" + (sizes[size] if size < 2048 else varint(size)) + body)
+        devices.append(delimited(b"\x0a", b"".join(node_stats)))  # StepStats.dev_stats (1)
+    # RunMetadata.step_stats (1), set once a device is added
     return delimited(b"\x0a", b"".join(devices)) if devices else b""
 
 
@@ -221,9 +227,10 @@ def _duration(micros: int, durations: dict[int, bytes]) -> bytes:
     return fields
 
 
-def _graph_and_run_metadata(stats: StepStats, named: dict[tuple[str, str], tuple[bytes, bytes]],
-                            kept: list[tuple[bytes, list[tuple[bytes, bytes] | None]]] | None = None
-                            ) -> tuple[bytes, bytes]:
+def _graph_and_untimed_stats(stats: StepStats, named: dict[tuple[str, str], tuple[bytes, bytes]]
+                             ) -> tuple[bytes, _Untimed]:
+    """The step's serialised GraphDef and its nodes' untimed NodeExecStats fields (`_run_metadata`'s), which its
+    ops, phases, outputs, dataflow and allocations decide."""
     name_of = _Names(named)
     inputs: dict[int, list[bytes]] = {}  # id(consumer) -> its NodeDef.input (3) fields
     for edge in stats.edges:
@@ -238,26 +245,22 @@ def _graph_and_run_metadata(stats: StepStats, named: dict[tuple[str, str], tuple
 
     sizes = SIZES
     graph: list[bytes] = []
-    devices: list[bytes] = []
     # An op that ran kernels (itself or through the ops nested in it) ran on their device, as TF placed it:
     # its NodeDef names that device (and its outputs that allocator), so TensorBoard colours it as a GPU op;
     # its stats stay on the host's line.
     kernels_of = KernelsOf(stats)
     output_keys: dict[tuple[int, ...], tuple] = {}  # ids of a node's output tensors (their nodes hold them) -> key
     placed: dict[int, _Signatures] = {}  # kernel device index in dev_stats -> its signatures
-    durations: dict[int, bytes] = {}
+    untimed: _Untimed = []
     for dev in stats.dev_stats:
         own = _Signatures(tf_device(dev.device).encode())
-        device_field = delimited(b"\x0a", own.device) if own.device else b""  # DeviceStepStats.device (1)
-        node_stats: list[bytes] = [device_field]
-        shaped: list[tuple[bytes, bytes] | None] = []  # (what `kept` gets: this device's nodes' untimed fields)
-        if kept is not None:
-            kept.append((device_field, shaped))
-        for node, start in zip(dev.node_stats, _start_fields(dev.node_stats)):
+        shaped: list[tuple[bytes, bytes] | None] = []
+        untimed.append((delimited(b"\x0a", own.device) if own.device else b"", shaped))  # DeviceStepStats.device (1)
+        for node in dev.node_stats:
             if node.category != fmt.CAT_OP:
                 shaped.append(None)
                 continue
-            name_field = (named.get((node.node_name, node.phase)) or name_of(node))[1]
+            name_field = (named.get((node.node_name, node.phase)) or name_of.new(node))[1]
             key = None
             if node.outputs:  # (a step's nodes share their tensors' descriptions: each key made once)
                 tensors = tuple(map(id, node.outputs))
@@ -278,22 +281,13 @@ def _graph_and_run_metadata(stats: StepStats, named: dict[tuple[str, str], tuple
             fields = name_field + op_field + (b"".join(node_inputs) if node_inputs else b"") + attrs
             size = len(fields)
             graph.append(b"\x0a" + (sizes[size] if size < 2048 else varint(size)) + fields)
-            # DeviceStepStats.node_stats (2): NodeExecStats node_name (1), all_start_micros (2),
-            # op_end_rel_micros (4), all_end_rel_micros (5), memory (6), output (7), timeline_label (8), thread_id (10)
-            micros = max(1, node.duration_ns // 1000)
+            # NodeExecStats memory (6): AllocatorMemoryUsed allocator_name (1), total_bytes (2), peak_bytes (3)
             nbytes = allocated.get(id(node))
-            if nbytes is not None:  # AllocatorMemoryUsed allocator_name (1), total_bytes (2), peak_bytes (3)
+            if nbytes is not None:
                 outputs = delimited(b"\x32", str_field(b"\x0a", shared.device.decode()) + int_field(b"\x10", nbytes) +
-                               int_field(b"\x18", nbytes)) + outputs
+                                    int_field(b"\x18", nbytes)) + outputs
             shaped.append((name_field, outputs + label))
-            fields = b"".join((name_field, start,
-                               durations.get(micros) or _duration(micros, durations), outputs, label))
-            size = len(fields)
-            node_stats.append(b"\x12" + (sizes[size] if size < 2048 else varint(size)) + fields)
-        devices.append(delimited(b"\x0a", b"".join(node_stats)))  # StepStats.dev_stats (1)
-    # RunMetadata.step_stats (1), set once a device is added
-    run_metadata = delimited(b"\x0a", b"".join(devices)) if devices else b""
-    return b"".join(graph), run_metadata
+    return b"".join(graph), untimed
 
 
 def step_graph(stats: StepStats) -> Any:

@@ -243,9 +243,14 @@ _InputsMemo = dict
 def _step_op_event(node: NodeExecStats, pid: int, base: int, inputs: _InputsMemo, step_name: str) -> dict[str, Any]:
     """`_op_event`, the step's span named as torch.profiler names it."""
     event = _op_event(node, pid, base, inputs)
-    if node.category == fmt.CAT_SPAN and node.op == fmt.TRAIN_STEP:
+    if _is_step_span(node):
         event["name"] = step_name
     return event
+
+
+def _is_step_span(node: NodeExecStats) -> bool:
+    """Whether `node` is the step's span (its event's name has the step's number: made anew each step)."""
+    return node.category == fmt.CAT_SPAN and node.op == fmt.TRAIN_STEP
 
 
 def _shaped_op_events(stats: StepStats, base: int, step_name: str, shape: StepShape
@@ -267,9 +272,8 @@ def _shaped_op_events(stats: StepStats, base: int, step_name: str, shape: StepSh
             parts: list[tuple[bytes, bytes] | None] = []
             made.append(parts)
             for node, start, duration in zip(nodes, starts, durations):
-                event = _op_event(node, pid, base, inputs)
-                if node.category == fmt.CAT_SPAN and node.op == fmt.TRAIN_STEP:
-                    event["name"] = step_name
+                event = _step_op_event(node, pid, base, inputs, step_name)
+                if _is_step_span(node):
                     parts.append(None)
                     yield event
                     continue
@@ -355,10 +359,10 @@ def _tensor_flows(stats: StepStats, base: int) -> Iterable[dict[str, Any]]:
     on their streams, as TF drew dataflow between GPU ops."""
     if not stats.edges:
         return
-    # (a step on one device: every op's pid is 0)
+    # a step on one device (every op's pid 0) ran no kernels: they sit on their own devices, beside the host's
     pids = {id(node): pid for pid, dev in enumerate(stats.dev_stats) for node in dev.node_stats} \
-        if len(stats.dev_stats) > 1 else None
-    kernels_of = KernelsOf(stats)
+        if len(stats.dev_stats) > 1 else {}
+    kernels_of = KernelsOf(stats) if pids else None
     shapes: dict[int, list[int]] = {}  # id(tensor) -> its shape as a list (the edges hold the tensors)
     for flow_id, edge in enumerate(stats.edges, start=1 << 32):  # above any kernel correlation id
         producer, consumer, tensor = edge.producer, edge.consumer, edge.tensor
@@ -367,13 +371,11 @@ def _tensor_flows(stats: StepStats, base: int) -> Iterable[dict[str, Any]]:
             shape = shapes[id(tensor)] = list(tensor.shape)
         args = {"dtype": tensor.dtype, "shape": shape, "bytes": tensor.nbytes,
                 fmt.ARG_PRODUCER: producer.node_name, fmt.ARG_CONSUMER: consumer.node_name}
-        made, read = (kernels_of(producer), kernels_of(consumer)) if kernels_of.any else (None, None)
-        if made and read:
+        if kernels_of is not None and (made := kernels_of(producer)) and (read := kernels_of(consumer)):
             (source_pid, source), (target_pid, target) = max(made, key=lambda k: _end(k[1])), read[0]
-        elif pids is None:
-            source_pid, source, target_pid, target = 0, producer, 0, consumer
         else:
-            (source_pid, source), (target_pid, target) = (pids[id(producer)], producer), (pids[id(consumer)], consumer)
+            (source_pid, source), (target_pid, target) = ((pids.get(id(producer), 0), producer),
+                                                          (pids.get(id(consumer), 0), consumer))
         end_us = (_end(source) - base) / 1000
         yield {"ph": "s", "cat": fmt.CAT_DATAFLOW, "name": edge.name, "id": flow_id, "pid": source_pid,
                "tid": source.thread_id, "ts": end_us - min(0.001, source.duration_ns / 2000), "args": args}

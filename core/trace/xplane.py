@@ -257,29 +257,33 @@ class _Plane:
         self._taken = ((events, encoded[0]), (stats, encoded[1]))
 
     def stat(self, name: str, value: Any) -> bytes:
-        """An XStat of `name`: ints as int64, floats as double, strings by reference (each distinct string is
-        stored once, as a stat metadata's name: how tsl interns them). The value is a `oneof`: zeros written."""
+        """An XStat of `name` as an `XEvent.stats` field (`xstat`), kept by its name and value."""
         key = (name, value, type(value))
         found = self._encoded.get(key)
         if found is None:  # a step repeats few: a scope, a phase, an op type, a shape over many events
-            head = _XSTAT_ID + varint(self.stat_id(name))
-            if isinstance(value, str):
-                body = head + _XSTAT_REF + varint(self.stat_id(value))
-            elif isinstance(value, float):
-                body = head + _XSTAT_DOUBLE + struct.pack("<d", value)
-            else:
-                body = head + _XSTAT_INT64 + varint(int(value))
-            found = self._encoded[key] = delimited(_EVENT_STAT, body)
+            found = self._encoded[key] = delimited(_EVENT_STAT, self.xstat(name, value))
         return found
 
     def own_stat(self, name: str, value: int) -> bytes:
-        """`stat` of an int that few events share (an op's own id): encoded as `stat` does, not kept."""
-        body = _XSTAT_ID + varint(self.stat_id(name)) + _XSTAT_INT64 + varint(value)
-        return _EVENT_STAT + varint(len(body)) + body
+        """`stat` of an int that few events share (an op's own id): not kept."""
+        return delimited(_EVENT_STAT, self.xstat(name, value))
 
-    def add_stat(self, name: str, value: Any) -> None:
-        """A stat of the plane itself (`XPlane.stats`), encoded as `stat` encodes an event's."""
-        self.stats.append(_PLANE_STAT + self.stat(name, value)[len(_EVENT_STAT):])
+    def add_stat(self, name: str, value: Any, unsigned: bool = False) -> None:
+        """A stat of the plane itself (`XPlane.stats`)."""
+        self.stats.append(delimited(_PLANE_STAT, self.xstat(name, value, unsigned)))
+
+    def xstat(self, name: str, value: Any, unsigned: bool = False) -> bytes:
+        """An XStat of `name`: ints as int64 (`unsigned`: uint64), floats as double, strings by reference (each
+        distinct string is stored once, as a stat metadata's name: how tsl interns them). The value is a
+        `oneof`: zeros written."""
+        head = _XSTAT_ID + varint(self.stat_id(name))
+        if type(value) is not int:  # (ints the most: an op's own id, a step, bytes)
+            if isinstance(value, str):
+                return head + _XSTAT_REF + varint(self.stat_id(value))
+            if isinstance(value, float):
+                return head + _XSTAT_DOUBLE + struct.pack("<d", value)
+            value = int(value)
+        return head + (_XSTAT_UINT64 if unsigned else _XSTAT_INT64) + varint(value)
 
     def add_line(self, line_id: int, name: str, events: list[bytes]) -> None:
         """A line (`timestamp_ns` 0) of encoded events, each an `XLine.events` field already."""
@@ -328,7 +332,7 @@ def _metadata(field: bytes, items: Iterable[tuple[str, int]], shown: dict[int, s
 
 def _event(metadata_id: int, offset_ps: int, duration_ps: int, stats: bytes) -> bytes:
     """An `XEvent` as an `XLine.events` field (`offset_ps`, of the `data` oneof, written even when 0)."""
-    return _event_fields(_event_head(metadata_id), offset_ps, _duration(duration_ps), stats)
+    return delimited(_LINE_EVENT, _event_head(metadata_id) + varint(offset_ps) + _duration(duration_ps) + stats)
 
 
 def _event_head(metadata_id: int) -> bytes:
@@ -339,14 +343,6 @@ def _event_head(metadata_id: int) -> bytes:
 def _duration(duration_ps: int) -> bytes:
     """An event's `duration_ps` field (left out when 0)."""
     return _EVENT_DURATION + varint(duration_ps) if duration_ps else b""
-
-
-def _event_fields(head: bytes, offset_ps: int, duration: bytes, stats: bytes) -> bytes:
-    """`_event` with the metadata's part (`_event_head`) and the duration's field (`_duration`: a step
-    repeats its ops' durations) made once."""
-    body = head + varint(offset_ps) + duration + stats
-    size = len(body)
-    return _LINE_EVENT + (SIZES[size] if size < 2048 else varint(size)) + body
 
 
 def step_xspace(stats: StepStats, hostname: str, shape: StepShape | None = None) -> bytes:
@@ -434,7 +430,7 @@ def _step_xspace(stats: StepStats, hostname: str, shape: StepShape | None = None
             duration = durations.get(node.duration_ns)
             if duration is None:
                 duration = durations[node.duration_ns] = _duration(node.duration_ns * 1000)
-            # (`_event_fields`, inlined: this runs for every event)
+            # (`_event`, inlined: this runs for every event; its metadata's part and duration made once)
             body = part[0] + offset + duration + group + part[1]
             size = len(body)
             events.append(line_event + (sizes[size] if size < 2048 else varint(size)) + body)
@@ -459,8 +455,7 @@ def _step_xspace(stats: StepStats, hostname: str, shape: StepShape | None = None
 
     task = _Plane(2, TASK_PLANE)
     for name, value in ((PROFILE_START_TIME, base), (PROFILE_STOP_TIME, end)):
-        stat = _XSTAT_ID + varint(task.stat_id(name)) + _XSTAT_UINT64 + varint(value)
-        task.stats.append(delimited(_PLANE_STAT, stat))
+        task.add_stat(name, value, unsigned=True)
     planes.append(task.encode())
     return b"".join(delimited(_SPACE_PLANE, p) for p in planes) + delimited(_SPACE_HOSTNAME, hostname.encode())
 

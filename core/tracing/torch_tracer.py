@@ -65,25 +65,27 @@ class _ModuleScopes:
     Module calls inside code `torch.compile` made call no forward hooks: their ops get no scope (they show
     under torch's `Torch-Compiled Region` and `CompiledFunction` spans). `compiled` names that code. A module
     compiled in place (`module.compile()`) runs its hooks itself, and global hooks that come and go make dynamo
-    recompile it, with graph breaks, inside the traced step: no hooks are installed then (`skips`)."""
+    recompile it, with graph breaks, inside the traced step: no hooks are installed then (`skips`).
+    `compiled`: what an earlier traced step of the fit found compiled in `root` (None: found here)."""
 
-    def __init__(self, root: Any) -> None:
+    def __init__(self, root: Any, compiled: list[str] | None = None) -> None:
         self._local_names: dict[int, str] = {}
-        self.compiled: list[str] = []
+        self.compiled: list[str] = [] if compiled is None else compiled
         if root is not None:
             label = root_label(root)
             self._local_names[id(root)] = label
             for path, module in root.named_modules():
                 if path:
                     self._local_names.setdefault(id(module), path.rsplit(".", 1)[-1])
-                self.compiled += _compiled(f"{label}.{path}" if path else label, module)
+                if compiled is None:
+                    self.compiled += _compiled(f"{label}.{path}" if path else label, module)
         self.skips = any(name.endswith(".compile()") for name in self.compiled)
         self._open: list[Any] = []
         self._handles: list[Any] = []
 
     def say_compiled(self) -> None:
-        """Say why a compiled model's timelines lack module scopes, and what gives them (the caller says it once
-        per fit)."""
+        """Say why a compiled model's timelines lack module scopes, and what gives them (once a fit: see
+        `TorchTracer.start`)."""
         if self.skips:
             why = ("hookprof adds no module scopes in this fit: its forward hooks would make torch recompile a "
                    "module compiled in place, with graph breaks, inside each traced step")
@@ -237,10 +239,15 @@ class TorchTracer(Tracer):
             use_kineto=True,
             **({"experimental_config": export_only} if export_only is not None else {}),
         )
-        scopes = _ModuleScopes(self._root)
-        if scopes.compiled and not self._fit_state.get("said_compiled"):
-            self._fit_state["said_compiled"] = True
-            scopes.say_compiled()
+        # what runs compiled code is found (and said) at a fit's first traced step: a model is compiled, in place
+        # or wrapped, before its fit; between fits it may be (by the root's id: the fit holds its model)
+        found = self._fit_state.setdefault("torch_compiled", {})
+        compiled = found.get(id(self._root))
+        scopes = _ModuleScopes(self._root, compiled)
+        if compiled is None:
+            found[id(self._root)] = scopes.compiled
+            if scopes.compiled:
+                scopes.say_compiled()
         try:
             with _quiet_kineto():
                 prof.__enter__()
