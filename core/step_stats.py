@@ -210,7 +210,7 @@ class StepShape:
     per-step ids in their args and do not). Taken once the stats are complete (their nodes' lists are held,
     not copied: nothing changes them after)."""
 
-    __slots__ = ("devices", "nodes", "edges", "_same", "kept")
+    __slots__ = ("devices", "nodes", "edges", "_same", "_other", "kept")
 
     def __init__(self, stats: StepStats, kept: KeptParts | None = None) -> None:
         self.kept = kept  # where the step's fit keeps its renderers' parts (None: nothing kept, nothing reused)
@@ -221,15 +221,21 @@ class StepShape:
         # (an edge's node outside the step, which no tracer makes, is held as itself: compared with its times)
         self.edges = [(place.get(id(e.producer), e.producer), place.get(id(e.consumer), e.consumer), e.name, e.tensor)
                       for e in stats.edges]
-        self._same: StepShape | None = None  # the last shape found equal (each renderer asks of the same one)
+        # the last shape found equal, and the last found not (each renderer asks of the same one)
+        self._same: StepShape | None = None
+        self._other: StepShape | None = None
 
     def __eq__(self, other: object) -> bool:
         if other is self._same or other is self:
             return True
+        if other is self._other:
+            return False
         same = (isinstance(other, StepShape) and self.devices == other.devices and self.edges == other.edges
                 and self.nodes == other.nodes)
         if same:
             self._same = other
+        elif isinstance(other, StepShape):
+            self._other = other
         return same
 
     __hash__ = None  # type: ignore[assignment]
@@ -268,7 +274,7 @@ class ShapedParts:
 
     def keep(self, shape: StepShape | None, context: Any, parts: Any) -> None:
         if shape is not None and sum(map(len, shape.nodes)) <= self.KEEP_NODES_MAX:
-            shape._same = None  # (a kept shape holds no earlier one it was found equal to)
+            shape._same = shape._other = None  # (a kept shape holds no earlier one it was compared with)
             self._last = (shape, context, parts)
 
     def clear(self) -> None:
@@ -278,14 +284,57 @@ class ShapedParts:
 class KeptParts:
     """What each renderer keeps of one fit's last rendered step (`ShapedParts`), where its steps are rendered
     (the render worker, or the training process without one: `hookprof.hooks.capture.KEPT_PARTS`, by the fit's
-    token, released when the fit ends). A `StepShape` made with them finds them (`recall`, `keep`). Also the
-    step graph's names the fit's steps repeat (`hookprof.tensorboard.graph.GraphNames`, once it has a graph)."""
+    token, released when the fit ends). A `StepShape` made with them (`shape`) finds them (`recall`, `keep`).
+    Also the step graph's names the fit's steps repeat (`hookprof.tensorboard.graph.GraphNames`, once it has a
+    graph).
 
-    __slots__ = ("timeline", "graph", "xspace", "graph_names")
+    A fit whose steps never repeat a shape takes none once that is seen (taking it, comparing it and keeping
+    the parts cost a 20k-op step tens of milliseconds of nothing): a step with kernels (each launch's CUDA
+    correlation id is in its args), or two steps in a row of another shape than the step before, none of
+    the fit's steps having had its last one's (JAX's program spans: each run's id)."""
+
+    __slots__ = ("timeline", "graph", "xspace", "graph_names", "_differed", "_matched", "_off")
+    DIFFERED_MAX = 2
 
     def __init__(self) -> None:
         self.timeline, self.graph, self.xspace = ShapedParts(), ShapedParts(), ShapedParts()
         self.graph_names: Any = None
+        self._differed = 0  # the fit's steps in a row of another shape than the one before
+        self._matched = False  # whether a step of the fit had its last one's shape
+        self._off = False  # no more shapes taken for the fit
+
+    def shape(self, stats: StepStats) -> StepShape | None:
+        """`stats`' shape, made with these parts (a step of its fit's, complete); None once the fit is seen not
+        to repeat one (see the class)."""
+        if not self._off and _has_kernels(stats):
+            self._off = True
+        if self._off:
+            self._clear()
+            return None
+        shape = StepShape(stats, self)
+        # (the graph's and the XSpace's are the step's own: a triggered step's timeline has the steps before it)
+        last = next((parts._last[0] for parts in (self.graph, self.xspace, self.timeline) if parts._last), None)
+        if last is None:
+            return shape
+        if shape == last:  # (found so once: the renderers' own comparisons are free)
+            self._matched, self._differed = True, 0
+            return shape
+        self._differed += 1
+        if self._differed >= self.DIFFERED_MAX and not self._matched:
+            self._off = True
+            self._clear()
+            return None
+        return shape
+
+    def _clear(self) -> None:
+        for parts in (self.timeline, self.graph, self.xspace):
+            parts.clear()
+
+
+def _has_kernels(stats: StepStats) -> bool:
+    """Whether an accelerator ran kernels in the step (they are on its device, never the host's)."""
+    return any(node.category == "Kernel" for dev in stats.dev_stats if not dev.device.startswith("/host:")
+               for node in dev.node_stats)
 
 
 def _node_end(node: NodeExecStats) -> int:

@@ -3,8 +3,10 @@ the same arrows and memory objects as the step's own event tree, and none, with 
 
 import contextvars
 import dataclasses
+import os
 
 import lightning as L
+import orjson
 import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
@@ -179,3 +181,100 @@ def test_a_fit_s_template_goes_when_the_fit_ends(tmp_dir, render_worker):
         assert render_worker == (worker.WORKER._process is not None)
     finally:
         context.run(other.end, ManualSession())
+
+
+class FitExports(L.Callback):
+    """Traces every step of the fit with one fit's tracer (its first step walks its tree, the next ones borrow)
+    and converts each at once, as a render worker would (a step whose ops differ makes the next one walk its
+    tree again); keeps the exports and their stats in order."""
+
+    def __init__(self, options):
+        self.options, self.state, self.steps = options, {}, []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.tracer = TorchTracer(pl_module)
+        self.tracer.bind_fit(self.state)
+        self.tracer.start(self.options)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        exported = self.tracer.stop_recording().export()
+        self.steps.append((exported, exported.to_stats()))
+
+
+def rendered(stats):
+    """What a step's outputs hold: its timeline's bytes, step graph, run metadata and XSpace, and its records."""
+    from tests.test_step_shape import outputs as step_outputs
+
+    stats.step = 1
+    return (*step_outputs(stats), edges(stats), outputs(stats),
+            [(a.allocation_id, a.nbytes, a.alloc_ns, a.free_ns, a.producer and a.producer.node_name, a.tensor)
+             for a in stats.allocations], [dataclasses.astuple(s) for s in stats.memory_samples])
+
+
+def full_path(exported):
+    """The step converted without what its fit's last borrowing step found (`BorrowedStep`)."""
+    TEMPLATES.recall(exported.identity[1]).last = None
+    return exported.to_stats()
+
+
+def counted_gives(monkeypatch):
+    """The borrowing steps given what the last one found (`BorrowedStep.give`), counted as they are."""
+    from hookprof.tracing.step_identity import BorrowedStep
+
+    gives = []
+    give = BorrowedStep.give
+    monkeypatch.setattr(BorrowedStep, "give", lambda self, *args: gives.append(1) or give(self, *args))
+    return gives
+
+
+@pytest.mark.parametrize("options", [TENSORS, RunOptions(trace_level=TraceLevel.FULL_TRACE, record_dataflow=True)],
+                         ids=["dataflow-and-memory", "dataflow"])
+def test_a_borrowing_step_of_the_last_ones_layout_renders_as_found_anew(tmp_dir, monkeypatch, options):
+    """A borrowing step whose events come in the order of the fit's last borrowing step's takes that step's
+    arrows, outputs and allocations by place (`BorrowedStep`): its timeline, step graph, XSpace and records
+    are byte for byte those of joining the template to it and finding its arrows again."""
+    gives = counted_gives(monkeypatch)
+    fit = FitExports(options)
+    trainer(tmp_dir, [fit], 7, logger=False).fit(AdamModel(), loader())
+    modes = [(exported.identity[0], DATAFLOW_MISSING in stats.metadata) for exported, stats in fit.steps]
+    # the first batch's ops differ (Lightning's first step, Adam's state): the step after it walks again
+    assert modes == [("record", False), (BORROW, True), ("record", False)] + [(BORROW, False)] * 4
+    assert len(gives) == 3  # (the first borrowing step after the walk finds its arrows; the next three are given)
+    for exported, stats in fit.steps[3:]:
+        found = full_path(exported)
+        assert len(found.edges) > 40 and (len(found.allocations) > 20) == options.record_memory
+        assert rendered(stats) == rendered(found)
+    assert len(gives) == 3
+
+
+def test_a_borrowing_step_of_another_layout_finds_its_arrows_anew(tmp_dir, monkeypatch):
+    """A borrowing step with the template's ops whose events come in another order than the last borrowing
+    step's (here a tensor freed inside the op that made it) is joined to the template and its arrows found
+    again: they differ from the last step's, and are what a step converted alone gets."""
+    gives = counted_gives(monkeypatch)
+    fit = FitExports(TENSORS)
+    trainer(tmp_dir, [fit], 5, logger=False).fit(TinyModel(), loader())
+    (_, before), (exported, stats) = fit.steps[-2:]
+    assert len(gives) == 1 and exported.identity[0] == BORROW
+    # the step again, one of its tensors freed inside the op that made it (so no longer that op's output)
+    edge = next(e for e in stats.edges if any(a.producer is e.producer and a.tensor == e.tensor and a.free_ns
+                                              for a in stats.allocations))
+    made = next(a for a in stats.allocations if a.producer is edge.producer and a.tensor == edge.tensor)
+    with open(exported.path, "rb") as f:
+        data = orjson.loads(f.read())
+    base = data.get("baseTimeNanoseconds", 0)
+    free = next(e for e in data["traceEvents"] if e.get("name") == "[memory]" and e["args"]["Bytes"] == -made.nbytes
+                and round(e["ts"] * 1000) + base == made.free_ns)
+    free["ts"] = (made.alloc_ns + 1 - base) / 1000
+    path = os.path.join(tmp_dir, "moved.json")
+    with open(path, "wb") as f:
+        f.write(orjson.dumps(data))
+    moved = dataclasses.replace(exported, path=path)
+    changed = moved.to_stats()
+    assert len(gives) == 1 and DATAFLOW_MISSING not in changed.metadata  # (found anew, not given)
+    assert edges(changed) != edges(stats)
+    assert (edge.producer.node_name, edge.consumer.node_name, edge.name, edge.tensor) not in edges(changed)
+    assert rendered(changed) == rendered(full_path(moved))
+    # and the step after it, of the first order again, finds its own anew too (the last layout is the moved one's)
+    assert rendered(exported.to_stats()) == rendered(stats) and len(gives) == 1
+    assert edges(before) == edges(stats)

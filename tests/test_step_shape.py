@@ -139,3 +139,55 @@ def test_a_step_of_more_nodes_than_kept_renders_alike_and_keeps_nothing(monkeypa
     assert outputs(first, StepShape(first, kept)) == outputs(first)
     assert last_kept(kept) == [None, None, None]
     assert outputs(second, StepShape(second, kept)) == outputs(second)
+
+
+def jax_steps(count):
+    """`count` traced runs of one jitted JAX function (each program span has its run's id: no two have a shape)."""
+    jax = pytest.importorskip("jax")
+    from hookprof.tracing.jax_tracer import JaxTracer
+
+    step = jax.jit(lambda x: jax.numpy.tanh(x @ x).sum())
+    x = jax.numpy.ones((16, 16))
+    step(x).block_until_ready()
+    tracer, steps = JaxTracer(), []
+    for _ in range(count):
+        tracer.start(RunOptions(trace_level=TraceLevel.FULL_TRACE))
+        step(x).block_until_ready()
+        steps.append(tracer.stop())
+    return steps
+
+
+def test_a_fit_whose_steps_never_repeat_a_shape_stops_taking_them(kept):
+    """Two steps in a row of another shape than the one before, and none ever of the last one's: the fit's next
+    steps take no shape and nothing is kept (their outputs as rendered alone, as all along)."""
+    steps = jax_steps(4)
+    shapes = []
+    for stats in steps:
+        shapes.append(kept.shape(stats))
+        assert outputs(stats, shapes[-1]) == outputs(stats)
+    assert [shape is not None for shape in shapes] == [True, True, False, False]
+    assert last_kept(kept) == [None, None, None]
+
+
+def test_a_step_with_kernels_takes_no_shape_nor_do_its_fits_later_steps(tmp_path, kept):
+    from tests.test_cuda_export import exported
+
+    gpu = exported(tmp_path).to_stats()  # (a real CUDA step: each kernel's correlation id in its args)
+    cpu = traced_steps(2)
+    assert kept.shape(gpu) is None and outputs(gpu, None) == outputs(gpu)
+    assert kept.shape(cpu[0]) is None and kept.shape(cpu[1]) is None
+    assert last_kept(kept) == [None, None, None]
+
+
+def test_a_fit_whose_steps_repeated_a_shape_takes_them_after_steps_of_other_shapes(kept):
+    first, second, third = traced_steps(3)
+    other, another = copy.deepcopy(second), copy.deepcopy(second)
+    for stats, scope in ((other, "elsewhere"), (another, "further")):
+        next(node for node in stats.all_nodes() if node.op == "aten::addmm").scope = scope
+    for stats in (first, second, other, another, third):  # (matched; then differed twice in a row)
+        shape = kept.shape(stats)
+        assert shape is not None and outputs(stats, shape) == outputs(stats)
+    assert last_kept(kept) == [shape] * 3 and all(kept_shape is shape for kept_shape in last_kept(kept))
+    fourth = copy.deepcopy(third)  # (and a step of the third one's shape reuses its parts)
+    shape = kept.shape(fourth)
+    assert shape == last_kept(kept)[0] and outputs(fourth, shape) == outputs(fourth)

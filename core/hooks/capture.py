@@ -272,7 +272,7 @@ def render_step(source: Any, writer: ChromeTraceWriter, spec: RenderSpec) -> Ren
     # what the outputs hold besides the step's times: a step of the last one's shape reuses its parts
     kept = None if spec.fit is None else KEPT_PARTS.setdefault(spec.fit, KeptParts)
     try:
-        shape = None if kept is None else StepShape(stats, kept)
+        shape = None if kept is None else kept.shape(stats)
     except Exception:  # a bug of ours costs the reuse, not the step's outputs
         log.debug("The step's shape could not be taken; its outputs are rendered whole", exc_info=True)
         shape = kept = None
@@ -280,7 +280,7 @@ def render_step(source: Any, writer: ChromeTraceWriter, spec: RenderSpec) -> Ren
         file_stats, file_shape = stats, shape
         if spec.capture is not None:
             file_stats = with_recent_steps(stats, spec.capture)
-            if file_stats is not stats and kept is not None:
+            if file_stats is not stats and shape is not None:
                 file_shape = StepShape(file_stats, kept)
         rendered.trace = writer.render(file_stats, spec.metadata, spec.distributed, file_shape)
     except Exception:  # a bug of ours must not end the training run

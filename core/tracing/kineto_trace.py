@@ -29,18 +29,17 @@ from hookprof._runtime.gc_pause import paused_gc
 from hookprof.run_options import RunOptions
 from hookprof.step_stats import NodeExecStats, StepStats
 from hookprof.trace import format as fmt
-from hookprof.tracing.dataflow import find_edges
 from hookprof.tracing.step_identity import (
     DATAFLOW_MISSING,
     NOT_TENSORS,
     TEMPLATES,
     Interned,
     Row,
-    apply_template,
+    add_tree_records,
+    borrow,
     build_template,
 )
-from hookprof.tracing.torch_dataflow import EventTree, step_dataflow
-from hookprof.tracing.torch_memory import add_allocations
+from hookprof.tracing.torch_dataflow import EventTree
 from hookprof.tracing.tracer import HOST_DEVICE
 
 MODULE_PREFIX = "module::"
@@ -116,18 +115,15 @@ class KinetoExport:
             if mode == RECORD and tree is not None:
                 TEMPLATES.remember(token, build_template(tree, rows, interned))
             elif mode == BORROW:
-                if template is None:
-                    reason = NO_TEMPLATE
-                else:
-                    tree, reason = apply_template(template, rows, instants, base)
+                tree = None  # (a borrowing step's identities are its template's)
+                reason = NO_TEMPLATE if template is None else borrow(
+                    template, stats, rows, instants, base, by_external_id, options.record_dataflow,
+                    options.record_memory)
                 if reason is not None:
                     stats.metadata[DATAFLOW_MISSING] = reason
                     self.report_mismatch(reason)
             if tree is not None:
-                if options.record_dataflow:
-                    stats.edges = find_edges(step_dataflow(tree, by_external_id))
-                if options.record_memory:
-                    add_allocations(tree, stats, by_external_id)
+                add_tree_records(tree, stats, by_external_id, options.record_dataflow, options.record_memory)
         return stats
 
 

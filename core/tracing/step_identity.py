@@ -14,7 +14,11 @@ next ones:
   joins the template to it op by op: same number of ops, same signatures, same allocations per op, or no
   arrows for that step and the reason in its metadata (`DATAFLOW_MISSING`). The allocations, their frees
   and the ops that made them come from the step itself; only which allocation each op read comes from the
-  template.
+  template;
+- a borrowing step whose nodes, allocations and frees come in the same order as the fit's last borrowing
+  step's (`_layout`: on CPU, every step of a training loop but a few) has that step's arrows, outputs and
+  allocations, place by place, with its own nodes and times (`BorrowedStep`): its allocations are not joined
+  to its ops, nor its arrows found, again (about 0.1 s of the render worker's CPU at 20k ops).
 
 Templates live where steps are converted (the render worker, or the training process without one), by fit
 (`TEMPLATES`, a `hookprof._runtime.by_fit.ByFit`: a token per fit). A fit's template is its own: it goes when the
@@ -27,12 +31,25 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import operator
 from collections.abc import Hashable
 from typing import Any, NamedTuple
 
+import numpy as np
+
 from hookprof._runtime.by_fit import ByFit
-from hookprof.step_stats import NodeExecStats, TensorDescription
-from hookprof.tracing.torch_dataflow import ALLOCATING_PLUMBING, Allocation, Block, EventTree, Read, held_tensors
+from hookprof.step_stats import DataEdge, NodeExecStats, StepStats, TensorDescription
+from hookprof.tracing.dataflow import find_edges
+from hookprof.tracing.torch_dataflow import (
+    ALLOCATING_PLUMBING,
+    Allocation,
+    Block,
+    EventTree,
+    Read,
+    held_tensors,
+    step_dataflow,
+)
+from hookprof.tracing.torch_memory import add_allocations, add_memory
 from hookprof.tracing.tracer import HOST_DEVICE
 
 DATAFLOW_MISSING = "dataflow_missing"  # the step's metadata: why it has no arrows and no memory objects
@@ -77,6 +94,8 @@ class IdentityTemplate:
     written: list[frozenset[int]]
     made: dict[int, list[int]]  # op position -> the bytes of each allocation it made, in time order
     interned: Interned = dataclasses.field(default_factory=Interned)  # its step's argument lists
+    # what the fit's last borrowing step found, for its next one of the same layout
+    last: BorrowedStep | None = dataclasses.field(default=None, compare=False, repr=False)
 
     @functools.cached_property
     def held(self) -> dict[Hashable, TensorDescription]:
@@ -124,17 +143,35 @@ def build_template(tree: EventTree, rows: list[Row], interned: Interned | None =
     return IdentityTemplate([row[SIGNATURE] for row in rows], reads, written, made, interned or Interned())
 
 
-def step_allocations(instants: list[dict[str, Any]], rows: list[Row], base: int
-                     ) -> tuple[list[Allocation], dict[int, Block]]:
-    """The step's allocations and frees from kineto's `[memory]` instants, each allocation as a `Block` made in
-    the innermost op around it (allocation plumbing skipped, as `allocating_op` does), by an id of this
-    step's own. `rows` are in start order (outer first)."""
+def memory_events(instants: list[dict[str, Any]], base: int) -> tuple[list[Allocation], list[int]]:
+    """kineto's `[memory]` instants as the step's allocations and frees in time order, with each one's thread: an
+    allocation's id (this step's own) is its place in the list, a free has the id of the allocation it frees
+    (the last one at its address), or a negative one of its own for memory from before the step."""
+    allocations: list[Allocation] = []
+    threads: list[int] = []
+    live: dict[tuple[str, int], int] = {}  # (device, address) -> allocation id
+    for time, _, event in sorted((round(e["ts"] * 1000) + base, i, e) for i, e in enumerate(instants)):
+        fields = event.get("args") or {}
+        nbytes, address = fields.get("Bytes", 0), fields.get("Addr", 0)
+        cuda = fields.get("Device Type", 0) != 0  # (kineto's device types: 0 the CPU, 1 CUDA)
+        device = f"/device:CUDA:{max(0, fields.get('Device Id', 0))}" if cuda else HOST_DEVICE
+        if nbytes > 0:
+            allocation_id = live[(device, address)] = len(allocations)
+        else:
+            allocation_id = live.pop((device, address), -1 - len(allocations))
+        allocations.append(Allocation(time, allocation_id, nbytes, device, fields.get("Total Allocated", 0),
+                                      fields.get("Total Reserved", 0)))
+        threads.append(event.get("tid", 0))
+    return allocations, threads
+
+
+def step_allocations(allocations: list[Allocation], threads: list[int], rows: list[Row]) -> dict[int, Block]:
+    """The step's allocations (`memory_events`) as `Block`s by id, each made in the innermost op around it on
+    its thread (allocation plumbing skipped, as `allocating_op` does). `rows` are in start order (outer
+    first)."""
     parent: list[int] = []  # row position -> the position of the row around it, -1 for none
     open_rows: dict[int, list[int]] = {}
-    events = sorted((round(e["ts"] * 1000) + base, i, e) for i, e in enumerate(instants))
-    allocations: list[Allocation] = []
     blocks: dict[int, Block] = {}
-    live: dict[tuple[str, int], int] = {}  # (device, address) -> allocation id
     cursor = 0
 
     ends: list[int] = []  # row position -> its end, for the rows reached so far
@@ -161,15 +198,10 @@ def step_allocations(instants: list[dict[str, Any]], rows: list[Row], base: int
             stack.pop()
         return stack[-1] if stack else -1
 
-    for time, _, event in events:
-        fields = event.get("args") or {}
-        nbytes, address = fields.get("Bytes", 0), fields.get("Addr", 0)
-        cuda = fields.get("Device Type", 0) != 0  # (kineto's device types: 0 the CPU, 1 CUDA)
-        device = f"/device:CUDA:{max(0, fields.get('Device Id', 0))}" if cuda else HOST_DEVICE
-        if nbytes > 0:
-            allocation_id = len(allocations)
-            live[(device, address)] = allocation_id
-            at = enclosing(event.get("tid", 0), time)
+    for event, tid in zip(allocations, threads):
+        time = event.start_ns
+        if event.nbytes > 0:
+            at = enclosing(tid, time)
             while (at >= 0 and rows[at].node.op.startswith(ALLOCATING_PLUMBING) and parent[at] >= 0):
                 at = parent[at]
             outer = []
@@ -177,15 +209,13 @@ def step_allocations(instants: list[dict[str, Any]], rows: list[Row], base: int
             while around >= 0:
                 outer.append(rows[around].external_id)
                 around = parent[around]
-            blocks[allocation_id] = Block(nbytes, time, None if at < 0 else rows[at].external_id, tuple(outer))
+            blocks[event.allocation_id] = Block(event.nbytes, time, None if at < 0 else rows[at].external_id,
+                                                tuple(outer))
         else:
-            allocation_id = live.pop((device, address), -1 - len(allocations))
-            block = blocks.get(allocation_id)
+            block = blocks.get(event.allocation_id)
             if block is not None:
                 block.free_ns = time
-        allocations.append(Allocation(time, allocation_id, nbytes, device, fields.get("Total Allocated", 0),
-                                      fields.get("Total Reserved", 0)))
-    return allocations, blocks
+    return blocks
 
 
 NOT_TENSORS = ("Scalar", "ScalarList", "TensorList", "GenericList", "")  # kineto's argument types with no shape
@@ -197,21 +227,26 @@ def _said(signature: tuple) -> str:
     return f"{name}, shapes {[d for d, t in zip(dims or (), types or ()) if t not in NOT_TENSORS]}"
 
 
-def apply_template(template: IdentityTemplate, rows: list[Row], instants: list[dict[str, Any]], base: int
-                   ) -> tuple[EventTree | None, str | None]:
-    """The step's identity as an `EventTree` (what dataflow and memory read) from `template` and the step's own
-    export (`rows`, its `[memory]` instants); or None and why they do not match."""
-    main = _main_thread(rows)
+def _differs(template: IdentityTemplate, main: list[Row]) -> str | None:
+    """Why the step's ops (`main`, its main thread's rows) differ from its template's; None where they do not."""
     if len(main) != len(template.signatures):
-        return None, (f"its {len(main)} ops differ from the {len(template.signatures)} of the step its tensor "
-                      "identities were taken from")
+        return (f"its {len(main)} ops differ from the {len(template.signatures)} of the step its tensor "
+                "identities were taken from")
     signatures = [row[SIGNATURE] for row in main]  # (the template's own lists where equal: `Interned`)
     if signatures != template.signatures:
         i, signature = next((i, signature) for i, signature in enumerate(signatures)
                             if signature != template.signatures[i])
-        return None, (f"its op {i} ({_said(signature)}) differs from the step its tensor identities were "
-                      f"taken from ({_said(template.signatures[i])})")
-    allocations, blocks = step_allocations(instants, rows, base)
+        return (f"its op {i} ({_said(signature)}) differs from the step its tensor identities were taken from "
+                f"({_said(template.signatures[i])})")
+    return None
+
+
+def apply_template(template: IdentityTemplate, main: list[Row], rows: list[Row], allocations: list[Allocation],
+                   threads: list[int]) -> tuple[EventTree | None, str | None]:
+    """The step's identity as an `EventTree` (what dataflow and memory read) from `template` and the step's own
+    export (`rows`, `main` those of its main thread, whose ops are the template's: `_differs`; its allocations
+    and frees with their threads: `memory_events`); or None and why they do not match."""
+    blocks = step_allocations(allocations, threads, rows)
     index = {row.external_id: i for i, row in enumerate(main)}
     made: dict[int, list[int]] = {}  # op position -> this step's allocation ids it made, in time order
     for allocation_id, block in blocks.items():
@@ -237,6 +272,115 @@ def apply_template(template: IdentityTemplate, rows: list[Row], instants: list[d
         ops.append((row.external_id, mapped, written))
     held = {made[key[1]][key[2]]: tensor for key, tensor in template.held.items()}
     return EventTree.from_parts(ops, allocations, blocks, held), None
+
+
+def add_tree_records(tree: EventTree, stats: StepStats, nodes_by_id: dict[int, NodeExecStats], dataflow: bool,
+                     memory: bool) -> None:
+    """The step's arrows and its nodes' outputs (`dataflow`), its allocations and the allocator's samples
+    (`memory`), from its identities (`tree`: walked, or a template's applied to it)."""
+    if dataflow:
+        stats.edges = find_edges(step_dataflow(tree, nodes_by_id))
+    if memory:
+        add_allocations(tree, stats, nodes_by_id)
+
+
+_START, _DURATION = operator.attrgetter("start_ns"), operator.attrgetter("duration_ns")
+
+
+def _layout(nodes: list[NodeExecStats], allocations: list[Allocation], threads: list[int], tid: int) -> tuple:
+    """What a borrowing step's arrows, outputs and allocations follow from, besides its ops (its template's) and
+    times: the order of its nodes' starts and ends and of its allocations and the frees of them (which comes
+    first, which fall together), each allocation's bytes, device and whether it was on thread `tid` (the
+    step's), and which allocation each such free frees. Frees of memory from before the step change nothing
+    of them and are left out (their number varies from step to step)."""
+    # (nodes in start order; allocations in time order, by rank: frees point to their allocation's)
+    ranks: dict[int, int] = {}
+    events: list[tuple[int, int, str, bool]] = []
+    times: list[int] = []
+    for event, thread in zip(allocations, threads):
+        if event.nbytes > 0:
+            ranks[event.allocation_id] = len(ranks)
+            events.append((event.nbytes, -1, event.device, thread == tid))
+        elif event.allocation_id >= 0:
+            events.append((0, ranks[event.allocation_id], event.device, thread == tid))
+        else:
+            continue
+        times.append(event.start_ns)
+    count = len(nodes)
+    starts = np.fromiter(map(_START, nodes), np.int64, count)
+    values = np.concatenate((starts, starts + np.fromiter(map(_DURATION, nodes), np.int64, count),
+                             np.array(times, np.int64)))
+    order = np.argsort(values, kind="stable")
+    ordered = values[order]
+    return count, order.tobytes(), np.packbits(ordered[1:] == ordered[:-1]).tobytes(), events
+
+
+class BorrowedStep:
+    """A borrowing step's arrows, its nodes' outputs and its allocations' producers and tensors, by their
+    places (its host's nodes in order, its allocations by rank), with what they follow from (`_layout`, and
+    which of them were recorded): the fit's next borrowing step of the same layout has the same, its own nodes
+    and times put in (`give`), without joining its allocations to its ops or finding its arrows again. Kept
+    on the fit's template (`IdentityTemplate.last`); made only where the step's ops all ran on one thread, on
+    the host alone."""
+
+    __slots__ = ("layout", "recorded", "edges", "outputs", "made")
+
+    def __init__(self, layout: tuple, recorded: tuple[bool, bool], stats: StepStats,
+                 nodes: list[NodeExecStats]) -> None:
+        self.layout, self.recorded = layout, recorded
+        place = {id(node): i for i, node in enumerate(nodes)}
+        # (an edge's name is its producer's node name and the output's slot: `find_edges`)
+        self.edges = [(place[id(e.producer)], place[id(e.consumer)], e.tensor, e.name[len(e.producer.node_name):])
+                      for e in stats.edges]
+        self.outputs = [(i, node.outputs) for i, node in enumerate(nodes) if node.outputs is not None]
+        self.made = [(None if a.producer is None else place[id(a.producer)], a.tensor) for a in stats.allocations]
+
+    def give(self, stats: StepStats, nodes: list[NodeExecStats], allocations: list[Allocation]) -> None:
+        """Give a step of this one's layout (`nodes`, its `allocations` and frees) its arrows, outputs and
+        allocations."""
+        dataflow, memory = self.recorded
+        if dataflow:
+            stats.edges = [DataEdge(nodes[p], nodes[c], tensor, nodes[p].node_name + slot)
+                           for p, c, tensor, slot in self.edges]
+            for i, outputs in self.outputs:
+                nodes[i].outputs = list(outputs)
+        if memory:
+            made = iter(self.made)
+            freed = {e.allocation_id: e.start_ns for e in allocations if e.nbytes <= 0 and e.allocation_id >= 0}
+
+            def block(event: Allocation) -> tuple[NodeExecStats | None, TensorDescription | None, int | None]:
+                producer, tensor = next(made)
+                return None if producer is None else nodes[producer], tensor, freed.get(event.allocation_id)
+
+            add_memory(stats, allocations, block)
+
+
+def borrow(template: IdentityTemplate, stats: StepStats, rows: list[Row], instants: list[dict[str, Any]], base: int,
+           nodes_by_id: dict[int, NodeExecStats], dataflow: bool, memory: bool) -> str | None:
+    """Give a step the arrows and memory records (those `dataflow` and `memory` ask for) that `template`'s
+    identities make of its own export (`rows`, its `[memory]` instants, its times after `base` ns); or say why
+    they do not fit it. A step of the layout of the fit's last borrowing step takes what that one found
+    (`BorrowedStep`)."""
+    main = _main_thread(rows)
+    reason = _differs(template, main)
+    if reason is not None:
+        return reason
+    allocations, threads = memory_events(instants, base)
+    host = stats.device(HOST_DEVICE)
+    layout = None
+    if len(stats.dev_stats) == 1 and len(main) == len(rows) and rows:
+        layout = _layout(host.node_stats, allocations, threads, rows[0].tid)
+    last = template.last
+    if layout is not None and last is not None and last.recorded == (dataflow, memory) and last.layout == layout:
+        last.give(stats, host.node_stats, allocations)
+        return None
+    tree, reason = apply_template(template, main, rows, allocations, threads)
+    if tree is None:
+        return reason
+    add_tree_records(tree, stats, nodes_by_id, dataflow, memory)
+    if layout is not None:
+        template.last = BorrowedStep(layout, (dataflow, memory), stats, host.node_stats)
+    return None
 
 
 # Where this process converts steps (the render worker, or a training process without one), the templates of
