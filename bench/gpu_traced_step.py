@@ -8,7 +8,9 @@ third step's start (the trainer's set-up and the first steps' warm-up vary by ±
 what is measured) and stops when `fit` returns (once ProfilerHook's files are on disk), the device
 synchronised at both ends; a figure is that time's excess over the same fit untraced, per traced step. Idle:
 `ProfilerHook(save_steps=10**6)` and `StepCounterHook` on every step, nothing traced, against no callback.
-Medians of 5 rounds, kinds in rotated order. Skips without CUDA.
+Medians of 5 rounds (`HOOKPROF_BENCH_ROUNDS`), kinds in rotated order. Then where ours goes: the training's
+waits in our callback on the traced steps, and the time from the last batch's end to `fit`'s return. Skips
+without CUDA.
 """
 
 import logging
@@ -36,8 +38,10 @@ from traced_step_vs_torch import (  # noqa: E402  (the same peer and timed hook 
 from hookprof.hooks import StepCounterHook  # noqa: E402
 from lightning_prof import HookCallback  # noqa: E402
 
-STEPS, EVERY, ROUNDS, BATCH, SEQ, WIDTH = 41, 10, 5, 64, 128, 512
+STEPS, EVERY, BATCH, SEQ, WIDTH = 41, 10, 64, 128, 512
+ROUNDS = int(os.environ.get("HOOKPROF_BENCH_ROUNDS", 5))
 CLOCK_FROM = 2  # the batch index whose start starts the clock
+EVERY_FIT_TRACES = (STEPS - 1) // EVERY  # steps 10, 20, 30, 40
 SHOWN = ("ops", "defaults (dataflow + graph)", "dataflow + memory")
 
 
@@ -45,11 +49,22 @@ class StartClock(L.Callback):
     """First among the callbacks: the time the clock starts, at batch CLOCK_FROM's start (device idle)."""
 
     started = 0.0
+    last_end = 0.0  # when the last batch's callbacks were done: what follows is the fit's end
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if batch_idx == CLOCK_FROM:
             torch.cuda.synchronize()
             self.started = time.perf_counter()
+
+
+class LastBatchEnd(L.Callback):
+    """Last among the callbacks: when the last batch's were done (`StartClock.last_end`)."""
+
+    def __init__(self, clock: StartClock) -> None:
+        self.clock = clock
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.clock.last_end = time.perf_counter()
 
 
 class Encoder(L.LightningModule):
@@ -83,16 +98,17 @@ def fit(kind: tuple) -> tuple[float, object]:
     torch.manual_seed(0)
     data = DataLoader(TensorDataset(torch.randn(STEPS * BATCH, SEQ, WIDTH)), batch_size=BATCH)
     clock = StartClock()
-    trainer = L.Trainer(max_steps=STEPS, callbacks=[clock] + ([callback] if callback else []), logger=False,
+    trainer = L.Trainer(max_steps=STEPS, callbacks=[clock] + ([callback] if callback else []) + [LastBatchEnd(clock)],
+                        logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         accelerator="gpu", devices=1)
     trainer.fit(Encoder(), data)
     torch.cuda.synchronize()
-    elapsed = time.perf_counter() - clock.started
+    returned = time.perf_counter()
     if kind[0] == "ours":
         callback.written = len(callback.hook.saved_paths)
     shutil.rmtree(out, ignore_errors=True)
-    return elapsed, callback
+    return returned - clock.started, callback, returned - clock.last_end
 
 
 def main():
@@ -106,12 +122,12 @@ def main():
         shift = round_ * 3 % len(kinds)
         for kind in kinds[shift:] + kinds[:shift]:
             runs[kind].append(fit(kind))
-    none = statistics.median(e for e, _ in runs[("none",)])
-    idle = statistics.median(e for e, _ in runs[("idle",)])
+    none = statistics.median(e for e, *_ in runs[("none",)])
+    idle = statistics.median(e for e, *_ in runs[("idle",)])
     print(f"device: {torch.cuda.get_device_name(0)}, torch {torch.__version__}; untraced step "
           f"{_ms(none / (STEPS - CLOCK_FROM))}; idle hooks' share of a step: {(idle - none) / none:+.1%} "
-          f"(fits: {', '.join(f'{e:.3f}' for e, _ in runs[('none',)])} s without hooks, "
-          f"{', '.join(f'{e:.3f}' for e, _ in runs[('idle',)])} s idle)")
+          f"(fits: {', '.join(f'{e:.3f}' for e, *_ in runs[('none',)])} s without hooks, "
+          f"{', '.join(f'{e:.3f}' for e, *_ in runs[('idle',)])} s idle)")
     print("| content | per traced step: ours / torch |")
     print("| --- | ---: |")
     keyed = {("none", EVERY): runs[("none",)]}
@@ -123,6 +139,13 @@ def main():
         theirs, theirs_traced = per_traced_step(keyed, ("torch", EVERY, memory))
         skipped = f" ({ours_traced} of {theirs_traced} traced)" if ours_traced != theirs_traced else ""
         print(f"| {content} | {_ms(ours)} / {_ms(theirs)} = {ours / theirs:.2f}x{skipped} |", flush=True)
+    # where ours goes: the training's waits in the traced steps' callbacks, and the fit's end after the last batch
+    for content in SHOWN:
+        callbacks = [c for _, c, _ in runs[("ours", content)]]
+        waits = statistics.median(sum(c.starts) + sum(c.ends) for c in callbacks) / EVERY_FIT_TRACES
+        tail = statistics.median(t for _, _, t in runs[("ours", content)])
+        print(f"{content}: training waits {_ms(waits)} per traced step in our callback; the fit's end "
+              f"{_ms(tail)} after its last batch (untraced: {_ms(statistics.median(t for *_, t in runs[('none',)]))})")
 
 
 if __name__ == "__main__":
