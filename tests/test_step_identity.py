@@ -278,3 +278,36 @@ def test_a_borrowing_step_of_another_layout_finds_its_arrows_anew(tmp_dir, monke
     # and the step after it, of the first order again, finds its own anew too (the last layout is the moved one's)
     assert rendered(exported.to_stats()) == rendered(stats) and len(gives) == 1
     assert edges(before) == edges(stats)
+
+
+def test_a_step_whose_host_holds_more_than_its_ops_finds_its_arrows_anew():
+    """Arrows are reused by their nodes' places: a host whose nodes are not its ops alone (a CUDA runtime call
+    among them, which may trade places with an op from one step to the next, the order of starts and ends
+    unchanged) never reuses the last step's, so each step's arrow joins the ops it joins when found anew."""
+    from hookprof.step_stats import StepStats, TensorDescription
+    from hookprof.tracing.kineto_trace import _convert
+    from hookprof.tracing.step_identity import SIGNATURE, IdentityTemplate, Interned, borrow
+
+    def step(relu_at, runtime_at):
+        events = [
+            {"ph": "X", "cat": "cpu_op", "name": "aten::empty", "ts": 0, "dur": 5, "tid": 1,
+             "args": {"External id": 1, "Input Dims": [[4]], "Input type": ["float"]}},
+            {"ph": "X", "cat": "cpu_op", "name": "aten::relu", "ts": relu_at, "dur": 1, "tid": 1,
+             "args": {"External id": 2, "Input Dims": [[4]], "Input type": ["float"]}},
+            {"ph": "X", "cat": "cuda_runtime", "name": "cudaGetDevice", "ts": runtime_at, "dur": 1, "tid": 1,
+             "args": {"correlation": 7}},
+            {"ph": "i", "name": "[memory]", "ts": 1, "tid": 1, "args": {"Bytes": 64, "Addr": 100, "Device Type": 0}},
+        ]
+        stats, rows, instants = StepStats(), [], []
+        by_id = _convert(events, 0, stats, True, False, rows, instants, Interned())
+        return stats, rows, instants, by_id
+
+    _, rows, _, _ = step(8, 6)
+    # empty makes a 64-byte tensor, relu reads it
+    template = IdentityTemplate([row[SIGNATURE] for row in rows],
+                                [[], [(0, ("made", 0, 0), TensorDescription("float32", (16,), 64))]],
+                                [frozenset(), frozenset()], {0: [64]})
+    for relu_at, runtime_at in ((8, 6), (6, 8)):  # (the runtime call before relu, then after it)
+        stats, rows, instants, by_id = step(relu_at, runtime_at)
+        assert borrow(template, stats, rows, instants, 0, by_id, True, False) is None
+        assert [(e.producer.op, e.consumer.op) for e in stats.edges] == [("aten::empty", "aten::relu")]

@@ -368,7 +368,9 @@ def borrow(template: IdentityTemplate, stats: StepStats, rows: list[Row], instan
     allocations, threads = memory_events(instants, base)
     host = stats.device(HOST_DEVICE)
     layout = None
-    if len(stats.dev_stats) == 1 and len(main) == len(rows) and rows:
+    # (by place: the host's nodes must be its rows alone, or a node that is none, a CUDA runtime call say, could
+    # trade places with an op from one step to the next and leave the order of starts and ends as it was)
+    if len(stats.dev_stats) == 1 and len(main) == len(rows) == len(host.node_stats) and rows:
         layout = _layout(host.node_stats, allocations, threads, rows[0].tid)
     last = template.last
     if layout is not None and last is not None and last.recorded == (dataflow, memory) and last.layout == layout:
