@@ -57,12 +57,13 @@ class KerasSession(Session):
     framework = "keras"
 
     def __init__(self, model: keras.Model, epoch_steps: int | None = None, epochs: int | None = None) -> None:
+        """`epochs`: those the fit runs (Keras' `epochs` less its `initial_epoch`), None: unknown."""
         super().__init__(model=model)
         self.epoch_steps = epoch_steps  # the fit's batches per epoch (Keras' `params["steps"]`), None: unknown
         optimizer = getattr(model, "optimizer", None)
         iterations = getattr(optimizer, "iterations", None)
         self._first_step = 0 if iterations is None else int(to_numpy(iterations))
-        if epoch_steps and epochs:  # (at most: a fit from `initial_epoch` > 0 runs fewer epochs)
+        if epoch_steps and epochs:
             self.final_step = self._first_step + epochs * epoch_steps
         self.steps_done = 0
         # Keras (JAX, TensorFlow) runs `steps_per_execution` batches per train-function call, with one batch
@@ -197,6 +198,7 @@ class _Fit:
         self.session: KerasSession | None = None
         self.watch: _TrainStepWatch | None = None
         self.ended = False  # end() or close() ran: its watch, if still on the model, only calls through
+        self.first_epoch: int | None = None  # the fit's first epoch (`initial_epoch`), from `on_epoch_begin`
         self.fetches_in_step = keras.backend.backend() == "jax"  # train_function(state, iterator): `WaitedBatches`
         self._closing = threading.Lock()
         # which `Model.fit` call this is (see `running`), found once: its callback list (weakly) and the call;
@@ -233,7 +235,10 @@ class _Fit:
             if hasattr(hook, "set_default_output_dir"):
                 hook.set_default_output_dir(DEFAULT_LOG_DIR)
         params = leader.params or {}  # (Keras sets them per fit)
-        self.session = KerasSession(self.model, params.get("steps"), params.get("epochs"))
+        epochs = params.get("epochs")
+        if epochs is not None:
+            epochs -= self.first_epoch or 0
+        self.session = KerasSession(self.model, params.get("steps"), epochs)
         # (with a watch on the train function, the step's trace starts there: a later callback's
         # on_train_batch_begin that raises then leaves no profiler running)
         self.driver = HookedSession(hooks, tracer_factory(self.model), defer_trace=self.watch is not None)
@@ -419,6 +424,11 @@ class HookCallback(keras.callbacks.Callback):
             fit = _GATHERING[id(token)] = _Fit(model, token)
         fit.members.append(self)
         self._fit = fit
+
+    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
+        fit = self._fit
+        if fit is not None and fit.first_epoch is None:  # (Keras runs `epochs - initial_epoch` of them)
+            fit.first_epoch = epoch
 
     def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
         if self._follows:

@@ -60,13 +60,24 @@ class LightningSession(Session):
 
     @property
     def final_step(self) -> int | None:  # (see `Session.final_step`)
-        """`max_steps`, or Lightning's estimate of the fit's optimizer steps from its epochs and batches
-        (`estimated_stepping_batches`); None for a fit without end or one Lightning cannot estimate."""
+        """`max_steps`, or Lightning's estimate of the fit's steps from its epochs and batches
+        (`estimated_stepping_batches`: optimizer steps, counted once a batch; a manual optimization that steps
+        several optimizers a batch advances the global step by each, which `max_steps` bounds); None for a fit
+        without end."""
+        trainer = self.trainer
         try:
-            steps = self.trainer.estimated_stepping_batches
-        except Exception:  # (Lightning's MisconfigurationException: accumulation that changes between epochs)
+            steps = trainer.estimated_stepping_batches
+        except Exception:  # (a callback's own argument checks, as GradientAccumulationScheduler's, may raise)
             return None
-        return None if steps == float("inf") or steps < 0 else int(steps)
+        if steps == float("inf") or steps < 0:
+            return None
+        if not getattr(self.model, "automatic_optimization", True):
+            capped = trainer.max_steps not in (None, -1)
+            if not (capped and steps == trainer.max_steps):  # (a count of batches, not of optimizer steps)
+                steps *= len(getattr(trainer, "optimizers", None) or [None])  # (at most: each steps every batch)
+            if capped:
+                steps = min(steps, trainer.max_steps)
+        return int(steps)
 
     def agree(self, decisions: Sequence[bool], reduce: str = "any") -> list[bool]:
         """The ranks' decisions made together, as the trainer's `strategy.reduce_boolean_decision` makes one (a

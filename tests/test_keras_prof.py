@@ -308,6 +308,29 @@ def test_a_fit_whose_schedule_traces_starts_the_render_worker_with_its_first_ste
 
     seen = WorkerSeen()
     hook = ProfilerHook(save_steps=10, output_dir=tmp_dir, tensorboard=False)
-    fit(model(), [seen, hook], epochs=epochs)
+    m = model()
+    fit(m, [seen, hook], epochs=epochs)
     assert seen.running[:2] == [False, started] and all(r == started for r in seen.running[1:9])
     assert len(hook.saved_paths) == int(started)
+    # the same model fit on: its schedule goes on (traces at 20 with 2 more epochs, 10 with 1 after 6 steps)
+    seen.running.clear()
+    fit(m, [seen, hook], epochs=2)
+    assert seen.running[:2] == [False, True] and len(hook.saved_paths) == int(started) + 1
+
+
+def test_a_fit_from_a_later_epoch_counts_only_the_epochs_it_runs(tmp_dir):
+    """`initial_epoch=1` of `epochs=2` runs one epoch of 6 steps: `save_steps=10` traces nothing, and no render
+    worker starts."""
+    from hookprof._runtime import worker
+
+    class WorkerSeen(keras.callbacks.Callback):
+        running = []
+
+        def on_train_batch_begin(self, batch, logs=None):
+            self.running.append(worker.WORKER._process is not None)
+
+    seen = WorkerSeen()
+    hook = ProfilerHook(save_steps=10, output_dir=tmp_dir, tensorboard=False)
+    x, y = data()
+    model().fit(x, y, batch_size=8, epochs=2, initial_epoch=1, callbacks=[seen, hook], verbose=0)
+    assert seen.running == [False] * 6 and hook.saved_paths == []

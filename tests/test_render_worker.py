@@ -606,25 +606,44 @@ def test_a_worker_hung_while_starting_is_judged_by_its_cpu_and_none_is_started_a
 
 
 class WorkerSeen(L.Callback):
-    """Whether a render worker process runs at each batch's start (before the hooks of that batch run)."""
+    """Whether a render worker process runs at each batch's start (before the hooks of that batch run), and the
+    fit's planned end as hookprof's session reads it."""
 
     def __init__(self):
         self.running: list[bool] = []
+        self.final_step = None
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        from lightning_prof.hook_callback import LightningSession
+
         process = worker.WORKER._process
         self.running.append(process is not None and process.poll() is None)
+        if batch_idx == 0:
+            self.final_step = LightningSession(trainer, pl_module).final_step
 
 
 @pytest.mark.parametrize("max_steps, started", [(12, True), (9, False)])
 def test_a_fit_whose_schedule_traces_starts_the_worker_with_its_first_step(tmp_path, max_steps, started):
-    """Its interpreter starts beside the steps before the first traced one (step 10), not with it; a fit that
-    ends before its first timeline starts none (max_steps 9, or an epoch of 8 batches: both Lightning's
-    `estimated_stepping_batches`)."""
+    """Its interpreter starts as training starts, beside the steps before the first traced one (step 10), not
+    with it; a fit that ends before its first timeline starts none (max_steps 9, or an epoch of 8 batches:
+    both Lightning's `estimated_stepping_batches`)."""
     seen = WorkerSeen()
     hook = ProfilerHook(save_steps=10, output_dir=str(tmp_path), tensorboard=False)
     trainer(str(tmp_path), [seen, hook], max_steps=max_steps, max_epochs=2).fit(TinyModel(), loader(n=48))
-    # the count starts at step 1 (it runs untraced, TF's first step): the worker from batch 1 on, or never
-    assert seen.running[:2] == [False, started] and all(r == started for r in seen.running[1:9])
+    # the worker from the first batch on (Lightning's `on_train_start`), or never
+    assert seen.running[:9] == [started] * 9
     assert len(hook.saved_paths) == int(started)
     assert worker.WORKER._process is None  # (stopped with the fit)
+
+
+def test_a_manual_optimization_fit_counts_each_optimizers_steps_toward_its_end(tmp_path):
+    """Two optimizers stepped every batch advance the global step twice a batch: 8 batches end at step 16, so
+    `save_steps=10` traces in this fit and the worker starts with its first step."""
+    from tests.test_step_clock import TwoOptimizers
+
+    seen = WorkerSeen()
+    hook = ProfilerHook(save_steps=10, output_dir=str(tmp_path), tensorboard=False)
+    fit = trainer(str(tmp_path), [seen, hook], max_steps=-1, max_epochs=1, logger=False)
+    fit.fit(TwoOptimizers(), loader())
+    assert fit.global_step == 16 and seen.final_step == 16
+    assert seen.running[0] and len(hook.saved_paths) == 1

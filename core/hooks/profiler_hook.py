@@ -208,7 +208,8 @@ class ProfilerHook(PeriodicHook):
         super().after_create_session(session, coord)
         rank = getattr(session, "rank", 0)
         self._writes_here = self.ranks is None or rank in self.ranks
-        self.watch.start(session, self._writes_here)  # (the render worker starts with the first traced step)
+        self.watch.start(session, self._writes_here)
+        self._start_worker_if_tracing(session)
 
     def _traces_step(self, global_step: int, timer: Any = None) -> bool:
         """Whether the step starting at `global_step` is one to trace (never the first: see after_run), by
@@ -266,13 +267,6 @@ class ProfilerHook(PeriodicHook):
             # TF 1.14+: the first step starts the count; the first timeline comes N steps or seconds later.
             # (the step before this run's first; a NeverTriggerTimer, with triggers alone, ignores it)
             timer.update_last_triggered_step(step - self._run_steps())
-            final = getattr(session, "final_step", None)
-            if self.save_steps and self._writes_here and final is not None and \
-                    step - self._run_steps() + self.save_steps <= final:
-                # this fit will trace: the render worker's interpreter and imports (0.3 s to a second or more)
-                # start now, beside the steps before the first traced one, not with it (where the next traced
-                # steps, tens of milliseconds apart on a GPU, would wait for them)
-                self.pipeline.start_worker()
         elif self._wanted:
             if periodic:
                 timer.update_last_triggered_step(step)
@@ -286,6 +280,17 @@ class ProfilerHook(PeriodicHook):
             rank, world_size = getattr(session, "rank", 0), getattr(session, "world_size", 1)
             self.pipeline.submit(step, run_metadata, session, self.timeline_path(step, rank, world_size),
                                  self.output_dir, self._events if self.tensorboard else None, self._capturing)
+
+    def _start_worker_if_tracing(self, session: Any) -> None:
+        """Where the step schedule's next timeline comes before the fit's planned end (`Session.final_step`),
+        start the render worker as the run starts, so that its interpreter and imports (0.3 s to a second or
+        more) run beside the steps before that one, not with it (where the next traced steps, tens of
+        milliseconds apart on a GPU, would wait for them). A fresh count starts at the run's first step; a
+        resumed one (a checkpoint's, or the same hook's earlier fit) goes on from its last timeline."""
+        final, last = getattr(session, "final_step", None), self._timer.last_triggered_step()
+        start = last if last is not None else getattr(session, "global_step", 0)
+        if self.save_steps and self._writes_here and final is not None and start + self.save_steps <= final:
+            self.pipeline.start_worker()
 
     def end(self, session: Any) -> None:
         start = self._run_start

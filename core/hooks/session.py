@@ -33,9 +33,9 @@ class Session:
     # after a hook's name ("feeds each step ..., but ..."); None where they do. Keras with a compiled train step
     # sets it: a hook that feeds then fails at the first step it does, instead of feeding nothing silently.
     feeds_unread: str | None = None
-    # The global step the fit will have reached at its end at most, where the framework says (Lightning's
-    # `max_steps` or its estimate from epochs and batches, Keras' epochs times batches); None where unknown.
-    # `ProfilerHook` starts its render worker when the fit begins where its first timeline falls before it.
+    # The global step the fit is planned to end at, as the framework estimates it (Lightning's `max_steps` or its
+    # estimate from epochs and batches, Keras' epochs times batches); None where unknown. `ProfilerHook` starts
+    # its render worker at a run's first step where its next timeline falls before it.
     final_step: int | None = None
 
     def __init__(self, model: Any = None, rank: int = 0, world_size: int = 1) -> None:
