@@ -196,26 +196,41 @@ class StepStats:
         return min((n.start_ns for n in self.all_nodes()), default=None)
 
 
+# The category of a host span, the step's phases (`hookprof.trace.format.CAT_SPAN`): here, for `StepShape`
+CAT_SPAN = "Span"
+_category = operator.attrgetter("category")
+
 # Every field of a node but its start and duration, as a tuple (tests/test_step_shape.py holds it to the fields)
 node_shape = operator.attrgetter("node_name", "op", "thread_id", "scope", "phase", "input_shapes", "input_dtypes",
                                  "outputs", "category", "args")
 
 
+def _shapes(nodes: list[NodeExecStats]) -> list[tuple]:
+    """The shapes of `nodes` (`node_shape`), but for the step's phase spans without their args: what those say
+    is the step's own (whether hookprof's work ran beside the wait or the step), and the renderers that read
+    args (the timeline's) make those spans anew for every step."""
+    shapes = list(map(node_shape, nodes))
+    for i, category in enumerate(map(_category, nodes)):
+        if category == CAT_SPAN and shapes[i][-1] is not None:
+            shapes[i] = shapes[i][:-1] + (None,)
+    return shapes
+
+
 class StepShape:
     """What a step's outputs hold besides its times and its step number: its devices (names, threads), every
-    node's fields but its start and duration (`node_shape`), device by device, and its edges, by their nodes'
-    places. Two steps of one shape render to the same graph, the same XSpace metadata and the same timeline
-    but for their times: a renderer keeps what a step's shape decides (`ShapedParts`) and makes only the
-    timed fields for the next step of that shape (a fit's traced CPU steps repeat one; CUDA and JAX steps carry
-    per-step ids in their args and do not). Taken once the stats are complete (their nodes' lists are held,
-    not copied: nothing changes them after)."""
+    node's fields but its start and duration (`node_shape`; the phase spans' args are the step's own: see
+    `_shapes`), device by device, and its edges, by their nodes' places. Two steps of one shape render to the
+    same graph, the same XSpace metadata and the same timeline but for their times: a renderer keeps what a
+    step's shape decides (`ShapedParts`) and makes only the timed fields for the next step of that shape (a
+    fit's traced CPU steps repeat one; CUDA and JAX steps carry per-step ids in their args and do not). Taken
+    once the stats are complete (their nodes' lists are held, not copied: nothing changes them after)."""
 
     __slots__ = ("devices", "nodes", "edges", "_same", "_other", "kept")
 
     def __init__(self, stats: StepStats, kept: KeptParts | None = None) -> None:
         self.kept = kept  # where the step's fit keeps its renderers' parts (None: nothing kept, nothing reused)
         self.devices = [(dev.device, dict(dev.thread_names)) for dev in stats.dev_stats]
-        self.nodes = [list(map(node_shape, dev.node_stats)) for dev in stats.dev_stats]
+        self.nodes = [_shapes(dev.node_stats) for dev in stats.dev_stats]
         place = dict(zip(map(id, itertools.chain.from_iterable(dev.node_stats for dev in stats.dev_stats)),
                          itertools.count()))  # a node's place in the step, its devices' nodes one after another
         # (an edge's node outside the step, which no tracer makes, is held as itself: compared with its times)

@@ -177,6 +177,28 @@ def test_a_wait_that_hookprofs_own_work_shared_is_marked_and_no_evidence_of_an_i
     assert {step: loaded.data.steps[(0, step)].data_wait_shared for _, step in traced} == shared
 
 
+def test_a_step_that_hookprofs_own_work_ran_beside_is_marked(tmp_path):
+    """A traced step's own span says when hookprof's workers had work during it (its ops' times may be
+    stretched): here a job of 0.1 s on the disk's thread, handed over inside step 4; step 2, the fit's first
+    traced step, had nothing beside it."""
+    from hookprof._runtime.background import WRITES
+    from hookprof.trace.reader import read_timeline
+
+    class BusyDisk(L.Callback):  # (after the hook: the step's trace runs already)
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.global_step == 3:  # (the batch that makes step 4)
+                WRITES.submit(lambda: time.sleep(0.1))
+
+    hook = ProfilerHook(save_steps=2, output_dir=str(tmp_path), tensorboard=False)
+    trainer(str(tmp_path), [hook, BusyDisk()], 4, logger=False).fit(AdamModel(), loader())
+    marked = {}
+    for step in (2, 4):
+        (span,) = [n for dev in read_timeline(str(tmp_path / f"timeline-{step}.json")).dev_stats
+                   for n in dev.node_stats if n.op == "train_step"]
+        marked[step] = bool(span.args and span.args.get("shared_with_hookprof"))
+    assert marked == {2: False, 4: True}
+
+
 @pytest.mark.parametrize("frames,line,caller", [
     (["train.py(9): <module>", "model.py(23): forward", "nn.Module: Linear_0", "torch/nn/modules/linear.py(125): "
       "forward", "<built-in function linear>"], "model.py(23): forward", "torch/nn/modules/linear.py(125): forward"),

@@ -194,3 +194,23 @@ def test_a_fit_whose_steps_repeated_a_shape_takes_them_after_steps_of_other_shap
     fourth = copy.deepcopy(third)  # (and a step of the third one's shape reuses its parts)
     shape = kept.shape(fourth)
     assert shape == last_kept(kept)[0] and outputs(fourth, shape) == outputs(fourth)
+
+
+def test_steps_apart_only_in_whether_hookprofs_work_ran_beside_them_share_a_shape(kept):
+    """Whether hookprof's own work ran beside a step's wait or the step itself (`args.shared_with_hookprof` on
+    its phase spans) is the step's own, not its shape's: two steps apart only in that have one shape, the
+    second reuses the first's parts, and each renders byte for byte as it alone would, its own marks included."""
+    from hookprof.tracing.coordinator import StepPhases
+
+    first, second = traced_steps(2)
+    for stats, shared in ((first, False), (second, True)):
+        nodes = list(stats.all_nodes())
+        start, end = min(n.start_ns for n in nodes), max(n.start_ns + n.duration_ns for n in nodes)
+        StepPhases("torch", (start - 1000, start), [("forward", start)], end, shared, shared).add_to(stats)
+    alone = outputs(first), outputs(second)
+    shapes = StepShape(first, kept), StepShape(second, kept)
+    assert shapes[0] == shapes[1]
+    assert outputs(first, shapes[0]) == alone[0]
+    assert outputs(second, shapes[1]) == alone[1]
+    assert all(shape is shapes[0] for shape in last_kept(kept))  # (the second reused the first's parts)
+    assert [trace.count(b'"shared_with_hookprof":true') for trace, *_ in alone] == [0, 2]

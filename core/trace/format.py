@@ -15,12 +15,14 @@ A timeline is one traced step in Chrome's Trace Event Format (Perfetto, chrome:/
 Chrome's own vocabulary (the `ph` letters, "traceEvents", the `process_name`/`thread_name`/..._sort_index
 metadata events, `snapshot`) and a tensor's description (`dtype`, `shape`, `bytes`, as
 `TensorDescription.to_json` writes it) are spelled where they are used; what hookprof names is here.
-This module imports nothing from hookprof, so anything may import it.
+This module imports from hookprof only `step_stats` (the value types, below it), so anything above may import it.
 """
 
 from __future__ import annotations
 
 import re
+
+from hookprof.step_stats import CAT_SPAN  # noqa: F401  (a host span: the step's phases; defined with the step's shape)
 
 # --- top-level keys of the file ------------------------------------------------------------------------
 BASE_TIME_NS = "baseTimeNanoseconds"  # the absolute time (ns) event times count from, as kineto writes it
@@ -52,7 +54,6 @@ RECENT_STEPS_THREAD = "Steps before the trigger"  # the host thread of a trigger
 # --- event categories (`cat`) ---------------------------------------------------------------------------
 CAT_OP = "Op"  # a framework op (aten::mm)
 CAT_MODULE = "Module"  # a module call, named by its scope
-CAT_SPAN = "Span"  # a host span: the step's phases
 CAT_RECENT_STEP = "RecentStep"  # a span of a step before a triggered trace: no node of the traced step
 CAT_KERNEL = "Kernel"  # an accelerator kernel, memcpy or memset
 CAT_RUNTIME = "Runtime"  # a runtime call that launched a kernel (cudaLaunchKernel)

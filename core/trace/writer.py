@@ -258,7 +258,8 @@ def _shaped_op_events(stats: StepStats, base: int, step_name: str, shape: StepSh
     """The op events of `_op_event`, serialised: each its untimed head and tail (up to its start, and from its
     args on: what the step's shape decides, taken from the fit's last step of this shape (`StepShape.recall`),
     or made and kept for the next) around its times (serialised together, by orjson as it serialises them in an event).
-    The step's span, whose name has its number, comes as `_op_event` makes it."""
+    The step's phase spans (its span's name has its number; the wait's and the step's args may say hookprof's
+    work ran beside them) come as `_op_event` makes them."""
     kept = shape.recall("timeline")
     made: list[list[tuple[bytes, bytes] | None]] | None = None if kept is not None else []
     inputs: _InputsMemo = {}
@@ -273,7 +274,7 @@ def _shaped_op_events(stats: StepStats, base: int, step_name: str, shape: StepSh
             made.append(parts)
             for node, start, duration in zip(nodes, starts, durations):
                 event = _step_op_event(node, pid, base, inputs, step_name)
-                if _is_step_span(node):
+                if node.category == fmt.CAT_SPAN:  # (the step's phases: their name and args are the step's own)
                     parts.append(None)
                     yield event
                     continue

@@ -223,8 +223,9 @@ class StepTraceCoordinator:
                 current.metadata = RunMetadata()
                 return current.metadata
 
-            phases = StepPhases(current.tracer.name, current.data_wait, list(current.marks), end_ns,
-                                current.data_wait_shared)
+            marks = list(current.marks)
+            phases = StepPhases(current.tracer.name, current.data_wait, marks, end_ns, current.data_wait_shared,
+                                step_shared=bool(marks) and busy_since(marks[0][1]))
 
             def make_step_stats() -> StepStats | None:
                 try:
@@ -267,6 +268,8 @@ class StepPhases:
         data_wait_shared: whether hookprof's own workers (an earlier traced step's conversion, render, files)
             had work during the data wait: its span says so (`args.shared_with_hookprof`), and the advisor
             takes no such wait as evidence of the input pipeline's.
+        step_shared: whether they had work during the step itself (its ops' times may be stretched by it): the
+            step's span says so (`args.shared_with_hookprof`).
     """
 
     tracer: str
@@ -274,10 +277,11 @@ class StepPhases:
     marks: list[tuple[str, int]]
     end_ns: int
     data_wait_shared: bool = False
+    step_shared: bool = False
 
     def add_to(self, stats: StepStats) -> StepStats:
         stats.metadata.setdefault("tracer", self.tracer)
-        _add_phase_spans(stats, self.data_wait, self.marks, self.end_ns, self.data_wait_shared)
+        _add_phase_spans(stats, self.data_wait, self.marks, self.end_ns, self.data_wait_shared, self.step_shared)
         return stats
 
 
@@ -320,9 +324,9 @@ def _mark_once(marks: list[tuple[str, int]], phase: str) -> None:
 
 
 def _add_phase_spans(stats: StepStats, data_wait: tuple[int, int] | None, marks: list[tuple[str, int]],
-                     end_ns: int, data_wait_shared: bool = False) -> None:
-    """Add the step's phases as nested spans on the host device's "Step" thread (the data wait before the step
-    marked `shared_with_hookprof` where hookprof's own workers had work during it)."""
+                     end_ns: int, data_wait_shared: bool = False, step_shared: bool = False) -> None:
+    """Add the step's phases as nested spans on the host device's "Step" thread (the data wait before the step,
+    and the step's own span, marked `shared_with_hookprof` where hookprof's own workers had work during it)."""
     host = stats.device(HOST_DEVICE)
     host.thread_names.setdefault(STEP_THREAD_ID, fmt.STEP_PHASES_THREAD)
     spans = []
@@ -336,13 +340,16 @@ def _add_phase_spans(stats: StepStats, data_wait: tuple[int, int] | None, marks:
         for node in host.node_stats:
             if node.category != fmt.CAT_SPAN and any(start <= node.start_ns < stop for start, stop in loops):
                 node.phase = fmt.VALIDATION
-    shared = {fmt.ARG_SHARED_WITH_HOOKPROF: True} if data_wait is not None and data_wait_shared else None
+    shared = {fmt.ARG_SHARED_WITH_HOOKPROF: True}
+    # (the wait before the step is the first span, where there is one; the step's span follows)
+    marked = {i for i, on in enumerate((data_wait is not None and data_wait_shared, step_shared)
+                                       if data_wait is not None else (step_shared,)) if on}
     for i, (name, start, stop) in enumerate(spans):
         host.node_stats.append(
             NodeExecStats(
                 node_name=f"step/{name}", op=name, start_ns=start, duration_ns=max(0, stop - start),
                 thread_id=STEP_THREAD_ID, phase="data" if name == fmt.DATA_WAIT else name,
-                category=fmt.CAT_SPAN, args=shared if i == 0 else None,  # (the wait before the step is first)
+                category=fmt.CAT_SPAN, args=shared if i in marked else None,
             )
         )
 
