@@ -34,7 +34,7 @@ from hookprof._runtime.by_fit import ByFit
 from hookprof._runtime.fit_run import on_fit_end
 from hookprof._runtime.warn_once import WarnOnce
 from hookprof.hooks.trigger_watch import CaptureWindow
-from hookprof.step_stats import DeviceStepStats, KeptParts, NodeExecStats, StepShape, StepStats
+from hookprof.step_stats import DeviceStepStats, KeptParts, NodeExecStats, StepStats
 from hookprof.tensorboard.events import SerializedEvent
 from hookprof.trace import format as fmt
 from hookprof.trace import xplane
@@ -277,12 +277,10 @@ def render_step(source: Any, writer: ChromeTraceWriter, spec: RenderSpec) -> Ren
         log.debug("The step's shape could not be taken; its outputs are rendered whole", exc_info=True)
         shape = kept = None
     try:
-        file_stats, file_shape = stats, shape
-        if spec.capture is not None:
-            file_stats = with_recent_steps(stats, spec.capture)
-            if file_stats is not stats and shape is not None:
-                file_shape = StepShape(file_stats, kept)
-        rendered.trace = writer.render(file_stats, spec.metadata, spec.distributed, file_shape)
+        file_stats = stats if spec.capture is None else with_recent_steps(stats, spec.capture)
+        # (a triggered step's file holds its window's earlier steps, named by their numbers: no two are alike)
+        rendered.trace = writer.render(file_stats, spec.metadata, spec.distributed,
+                                       shape if file_stats is stats else None)
     except Exception:  # a bug of ours must not end the training run
         rendered.render_error = traceback.format_exc()
     if spec.events:
