@@ -95,8 +95,8 @@ ARG_OCCUPANCY = "est. achieved occupancy %"
 ARG_BYTES = "bytes"  # a memcpy's or memset's bytes
 ARG_ALLOCATED = "allocated"  # the allocator counter's bytes allocated
 ARG_RESERVED = "reserved"  # the allocator counter's bytes reserved
-# on the data wait before a step: hookprof's own workers (an earlier step's conversion, render, files) had work
-# during it, so its length is not the input pipeline's alone
+# on the data wait before a step, or on the step's span: hookprof's own workers (an earlier step's conversion,
+# render, files) had work during it, so its length is not the input pipeline's (the step's) alone
 ARG_SHARED_WITH_HOOKPROF = "shared_with_hookprof"
 
 _RANK_PREFIX = re.compile(r"^\[rank \d+\] ")

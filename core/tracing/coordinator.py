@@ -223,9 +223,9 @@ class StepTraceCoordinator:
                 current.metadata = RunMetadata()
                 return current.metadata
 
-            marks = list(current.marks)
+            marks = list(current.marks)  # (the step's start first: see `start`)
             phases = StepPhases(current.tracer.name, current.data_wait, marks, end_ns, current.data_wait_shared,
-                                step_shared=bool(marks) and busy_since(marks[0][1]))
+                                step_shared=busy_since(marks[0][1]))
 
             def make_step_stats() -> StepStats | None:
                 try:
@@ -341,15 +341,14 @@ def _add_phase_spans(stats: StepStats, data_wait: tuple[int, int] | None, marks:
             if node.category != fmt.CAT_SPAN and any(start <= node.start_ns < stop for start, stop in loops):
                 node.phase = fmt.VALIDATION
     shared = {fmt.ARG_SHARED_WITH_HOOKPROF: True}
-    # (the wait before the step is the first span, where there is one; the step's span follows)
-    marked = {i for i, on in enumerate((data_wait is not None and data_wait_shared, step_shared)
-                                       if data_wait is not None else (step_shared,)) if on}
     for i, (name, start, stop) in enumerate(spans):
+        # (the wait before the step is the first span, where there is one)
+        marked = data_wait_shared if i == 0 and data_wait is not None else step_shared and name == fmt.TRAIN_STEP
         host.node_stats.append(
             NodeExecStats(
                 node_name=f"step/{name}", op=name, start_ns=start, duration_ns=max(0, stop - start),
                 thread_id=STEP_THREAD_ID, phase="data" if name == fmt.DATA_WAIT else name,
-                category=fmt.CAT_SPAN, args=shared if i in marked else None,
+                category=fmt.CAT_SPAN, args=shared if marked else None,
             )
         )
 
