@@ -128,8 +128,10 @@ class _TrainStepWatch:
         try:
             driver = fit.driver
             if driver is not None:
-                # (a call that nothing traces or watches fetches its batches itself, unwrapped)
-                if (fit.fetches_in_step and (driver.trace_pending or driver.watched) and len(args) == 2
+                # (a call whose first batch no trace waits for, and whose later batches, if any, no trace or trigger
+                # times, fetches its batches itself, unwrapped)
+                timed = driver.trace_pending or (driver.watched and fit.session.steps_per_run > 1)
+                if (fit.fetches_in_step and timed and len(args) == 2
                         and not kwargs and isinstance(args[1], collections.abc.Iterator)):  # (Keras < 3.7: a list)
                     args = (args[0], WaitedBatches(args[1], driver, fit.session.steps_per_run))
                 driver.start_trace()  # (the tracer runs only inside the step: see HookedSession)

@@ -287,8 +287,11 @@ def test_a_jax_train_function_given_loaded_batches_gets_them_as_they_are():
     fit.driver.trace_pending = False
     iterator = iter(["c"])
     assert watch("state", iterator) == "ran" and seen[2] is iterator
-    fit.driver.watched = True  # (a trigger watches: its phases are marked, the batches wrapped)
-    assert watch("state", iter(["d"])) == "ran" and type(seen[3]).__name__ == "WaitedBatches"
+    fit.driver.watched = True  # (a trigger watches a call of one batch: nothing to time inside it)
+    iterator = iter(["d"])
+    assert watch("state", iterator) == "ran" and seen[3] is iterator
+    fit.session.steps_per_run = 4  # (one of several: the later batches' fetches are its data waits)
+    assert watch("state", iter(["e"])) == "ran" and type(seen[4]).__name__ == "WaitedBatches"
 
 
 @pytest.mark.parametrize("epochs, started", [(2, True), (1, False)])
