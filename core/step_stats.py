@@ -252,42 +252,41 @@ class StepShape:
 
     __hash__ = None  # type: ignore[assignment]
 
-    def recall(self, renderer: str, context: Any = None) -> Any:
+    def recall(self, renderer: str) -> Any:
         """What `renderer` ("timeline", "graph", "xspace") kept of its fit's last step, if that step had this
-        shape (and `context`); else None."""
-        return None if self.kept is None else getattr(self.kept, renderer).parts(self, context)
+        shape; else None."""
+        return None if self.kept is None else getattr(self.kept, renderer).parts(self)
 
-    def keep(self, renderer: str, context: Any, parts: Any) -> None:
+    def keep(self, renderer: str, parts: Any) -> None:
         """`renderer`'s parts of this step, for its fit's next step of this shape."""
         if self.kept is not None:
-            getattr(self.kept, renderer).keep(self, context, parts)
+            getattr(self.kept, renderer).keep(self, parts)
 
 
 class ShapedParts:
     """The parts of one rendered step that its shape decided, for the next step of that shape: where steps
     are rendered (the render worker, or a training process without one), each renderer keeps its last step's
     (one step's worth: ~1 KB a node, the three renderers' and the shape together; none of a step of more than
-    `KEEP_NODES_MAX` nodes), until the fit ends (`KeptParts`, one per fit). `parts(shape, context)` gives them
-    when both match; `keep` replaces them (one reference: threads that render at once each see a whole pair,
+    `KEEP_NODES_MAX` nodes), until the fit ends (`KeptParts`, one per fit). `parts(shape)` gives them
+    when the shapes match; `keep` replaces them (one reference: threads that render at once each see a whole pair,
     or none)."""
 
     __slots__ = ("_last",)
     KEEP_NODES_MAX = 65536
 
     def __init__(self) -> None:
-        self._last: tuple[StepShape, Any, Any] | None = None
+        self._last: tuple[StepShape, Any] | None = None
 
-    def parts(self, shape: StepShape | None, context: Any = None) -> Any:
+    def parts(self, shape: StepShape | None) -> Any:
         last = self._last
         # (the new shape compared with the kept one, not the other way: what it remembers goes with it)
-        if shape is None or last is None or last[1] != context or shape != last[0]:
+        if shape is None or last is None or shape != last[0]:
             return None
-        return last[2]
+        return last[1]
 
-    def keep(self, shape: StepShape | None, context: Any, parts: Any) -> None:
+    def keep(self, shape: StepShape | None, parts: Any) -> None:
         if shape is not None and sum(map(len, shape.nodes)) <= self.KEEP_NODES_MAX:
-            shape._same = shape._other = None  # (a kept shape holds no earlier one it was compared with)
-            self._last = (shape, context, parts)
+            self._last = (shape, parts)
 
     def clear(self) -> None:
         self._last = None
@@ -328,7 +327,8 @@ class KeptParts:
         last = next((parts._last[0] for parts in (self.graph, self.xspace, self.timeline) if parts._last), None)
         if last is None:
             return shape
-        if shape == last:  # (found so once: the renderers' own comparisons are free)
+        last._same = last._other = None  # (the kept shape lets go of the one before it: one step's worth held)
+        if shape == last:  # (found so once, equal or not: the renderers' own comparisons are free)
             self._matched, self._differed = True, 0
             return shape
         self._differed += 1

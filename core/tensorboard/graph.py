@@ -183,7 +183,7 @@ def graph_and_run_metadata(stats: StepStats, names: GraphNames | None = None, sh
         if parts is None:
             parts = _graph_and_untimed_stats(stats, (names if names is not None else GraphNames()).named)
             if shape is not None:
-                shape.keep("graph", None, parts)
+                shape.keep("graph", parts)
         return parts[0], _run_metadata(stats, parts[1])
 
 

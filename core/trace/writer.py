@@ -290,7 +290,7 @@ def _shaped_op_events(stats: StepStats, base: int, step_name: str, shape: StepSh
                 else:
                     yield orjson.Fragment(part[0] + start + dur + duration + part[1])
     if made is not None:
-        shape.keep("timeline", None, made)
+        shape.keep("timeline", made)
 
 
 

@@ -446,7 +446,7 @@ def _step_xspace(stats: StepStats, hostname: str, shape: StepShape | None = None
     planes = [plane.encode((len(made.events), len(made.stats)) if made is not None else None)]
     if made is not None:
         made.metadata = plane.kept_metadata
-        shape.keep("xspace", None, made)
+        shape.keep("xspace", made)
     if devices:
         ops = {n.node_name: n for n in nodes if n.category == fmt.CAT_OP}
         properties = {p.get("id"): p for p in stats.metadata.get(fmt.DEVICE_PROPERTIES) or ()}
