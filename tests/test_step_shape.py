@@ -80,7 +80,7 @@ def test_a_step_of_the_last_ones_shape_renders_as_it_alone_would(kept):
     assert alone[0] != outputs(first)[0] and alone[3] != outputs(first)[3]  # (its own times and number)
 
 
-def test_a_step_of_another_shape_or_order_reuses_nothing(kept):
+def test_a_step_of_another_shape_or_order_renders_as_it_alone_would(kept):
     first, second = traced_steps(2)
     renamed, reordered = copy.deepcopy(second), copy.deepcopy(second)
     host = next(dev for dev in renamed.dev_stats if dev.device == xplane.HOST_PLANE)
