@@ -647,3 +647,20 @@ def test_a_manual_optimization_fit_counts_each_optimizers_steps_toward_its_end(t
     fit.fit(TwoOptimizers(), loader())
     assert fit.global_step == 16 and seen.final_step == 16
     assert seen.running[0] and len(hook.saved_paths) == 1
+
+
+@pytest.mark.parametrize("max_steps, started", [(30, True), (29, False)])
+def test_a_resumed_fit_starts_the_worker_from_its_restored_schedule(tmp_path, max_steps, started):
+    """A fit resumed from step 25 of a `save_steps=10` schedule (its last timeline at 20) traces step 30: the
+    worker starts as training starts where the fit reaches 30, and not where it ends at 29."""
+    first = trainer(str(tmp_path), [ProfilerHook(save_steps=10, output_dir=str(tmp_path / "a"), tensorboard=False)],
+                    max_steps=25, logger=False)
+    first.fit(TinyModel(), loader())
+    checkpoint = str(tmp_path / "at-25.ckpt")
+    first.save_checkpoint(checkpoint)
+    seen = WorkerSeen()
+    hook = ProfilerHook(save_steps=10, output_dir=str(tmp_path / "b"), tensorboard=False)
+    trainer(str(tmp_path), [seen, hook], max_steps=max_steps, logger=False).fit(TinyModel(), loader(),
+                                                                              ckpt_path=checkpoint)
+    assert seen.running[0] is started and all(r is started for r in seen.running[:4])
+    assert [os.path.basename(p) for p in hook.saved_paths] == (["timeline-30.json"] if started else [])
