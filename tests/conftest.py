@@ -108,6 +108,16 @@ def timeline_steps(directory):
     return sorted(int(n[len("timeline-"):-len(".json")]) for n in names if n.endswith(".json"))
 
 
+def skip_where_cuda_started(why: str = "") -> None:
+    """Skip a test of CPU steps in a process that has started CUDA (an earlier test ran a model on the GPU, as on a
+    GPU machine): its steps record the CUDA runtime's calls, each with a per-step correlation id, so no two have
+    one shape and a borrowing step's host holds more than its ops."""
+    import torch
+
+    if torch.cuda.is_initialized():
+        pytest.skip("this process has started CUDA" + (f": {why}" if why else ""))
+
+
 @pytest.fixture
 def tmp_dir(tmp_path):
     return str(tmp_path)

@@ -162,6 +162,70 @@ def test_lightning_dataflow_arrows_join_the_kernels_of_a_producer_and_its_consum
         assert (end["tid"], end["ts"]) in kernels  # each arrow lands on the start of a kernel
 
 
+def test_cuda_steps_borrow_the_tree_walks_arrows_and_memory_across_the_backwards_thread(tmp_dir):
+    """A CUDA step that borrows its tensor identities from the step before it (its events converted again
+    with that step's identities) gets the arrows, GPU allocations and outputs its own event tree gives, though
+    autograd ran its backward on a thread of its own."""
+    import lightning as L
+
+    from hookprof.trace import format as fmt
+    from hookprof.tracing import HOST_DEVICE
+    from hookprof.tracing.step_identity import DATAFLOW_MISSING
+    from tests.lightning_models import loader
+    from tests.test_step_identity import AdamModel, BothPaths, edges, memory, outputs
+
+    paths = BothPaths()
+    L.Trainer(max_steps=5, callbacks=[paths], logger=False, enable_checkpointing=False, default_root_dir=tmp_dir,
+              enable_progress_bar=False, enable_model_summary=False, accelerator="gpu", devices=1).fit(
+        AdamModel(), loader())
+    first, *later = paths.steps
+    assert "ops differ" in first[2].metadata[DATAFLOW_MISSING]  # (Adam's state made at the first step)
+    assert len(later) == 3
+    for step, walked, borrowed in later:
+        host = walked.device(HOST_DEVICE).node_stats
+        backward = {n.thread_id for n in host if n.op.startswith("autograd::engine::evaluate_function")}
+        forward = {n.thread_id for n in host if n.category == fmt.CAT_MODULE}
+        assert backward and forward and not backward & forward  # (the backward's thread is autograd's own)
+        assert DATAFLOW_MISSING not in borrowed.metadata, (step, borrowed.metadata)
+        assert len(walked.edges) > 40
+        assert any(a.device == "/device:CUDA:0" for a in walked.allocations)
+        assert any(e.producer.thread_id in forward and e.consumer.thread_id in backward for e in walked.edges)
+        assert edges(borrowed) == edges(walked), step
+        # a CUDA step's event tree leaves out the allocator's events after the step's last op ends (the loss's
+        # free, as the trace stops), which kineto's export, and so a borrowing step, has: the rest is equal
+        end = max(n.start_ns + n.duration_ns for n in host if n.category != fmt.CAT_RUNTIME)
+        assert _until(memory(borrowed), end) == _until(memory(walked), end) == _until(memory(walked), None), step
+        assert outputs(borrowed) == outputs(walked), step
+
+
+def _until(records, end):
+    """A step's memory records (`tests.test_step_identity.memory`) as they were when the step's last op ended at
+    `end` ns (None: all of them): the frees after it not yet made, the allocator's samples after it not yet
+    taken."""
+    if end is None:
+        return records
+    allocations, samples = records
+    return ([(made, None if freed is None or freed > end else freed, *rest) for made, freed, *rest in allocations],
+            [sample for sample in samples if sample[1] <= end])
+
+
+def test_a_cuda_fits_traced_steps_borrow_their_identities(tmp_dir):
+    """Under ProfilerHook's defaults, a CUDA fit's traced steps after the first borrow its tensor identities (no
+    tree walk while training) and keep their arrows and GPU memory."""
+    from hookprof.run_options import RunOptions, TraceLevel
+    from hookprof.tracing.kineto_trace import BORROW
+    from hookprof.tracing.step_identity import DATAFLOW_MISSING
+    from tests.test_step_identity import FitExports
+
+    fit = FitExports(RunOptions(trace_level=TraceLevel.FULL_TRACE, record_dataflow=True, record_memory=True))
+    _fit(tmp_dir, [fit], max_steps=6, gap=0)
+    modes = [(exported.identity[0], DATAFLOW_MISSING in stats.metadata) for exported, stats in fit.steps]
+    assert modes[-3:] == [(BORROW, False)] * 3, modes  # (the first steps' ops may differ: Lightning's first batch)
+    for exported, stats in fit.steps[-3:]:
+        assert exported.tree is None  # (not walked)
+        assert len(stats.edges) > 10 and any(a.device == "/device:CUDA:0" for a in stats.allocations)
+
+
 def test_lightning_gpu_memory_equals_torchs_allocator_to_the_byte(tmp_dir):
     from lightning_prof import ProfilerHook
 

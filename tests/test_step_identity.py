@@ -21,7 +21,7 @@ from hookprof.tracing.kineto_trace import BORROW
 from hookprof.tracing.step_identity import DATAFLOW_MISSING, TEMPLATES, held_fits
 from hookprof.tracing.torch_tracer import TorchTracer
 from lightning_prof import ProfilerHook
-from tests.conftest import load_trace
+from tests.conftest import load_trace, skip_where_cuda_started
 from tests.lightning_models import HeldAtTheEnd, TinyModel, loader, trainer
 
 TENSORS = RunOptions(trace_level=TraceLevel.FULL_TRACE, record_dataflow=True, record_memory=True)
@@ -233,6 +233,7 @@ def test_a_borrowing_step_of_the_last_ones_layout_renders_as_found_anew(tmp_dir,
     """A borrowing step whose events come in the order of the fit's last borrowing step's takes that step's
     arrows, outputs and allocations by place (`BorrowedStep`): its timeline, step graph, XSpace and records
     are byte for byte those of joining the template to it and finding its arrows again."""
+    skip_where_cuda_started("a step's host holds the CUDA runtime's calls: no step is given the last one's arrows")
     gives = counted_gives(monkeypatch)
     fit = FitExports(options)
     trainer(tmp_dir, [fit], 7, logger=False).fit(AdamModel(), loader())
@@ -251,6 +252,7 @@ def test_a_borrowing_step_of_another_layout_finds_its_arrows_anew(tmp_dir, monke
     """A borrowing step with the template's ops whose events come in another order than the last borrowing
     step's (here a tensor freed inside the op that made it) is joined to the template and its arrows found
     again: they differ from the last step's, and are what a step converted alone gets."""
+    skip_where_cuda_started("a step's host holds the CUDA runtime's calls: no step is given the last one's arrows")
     gives = counted_gives(monkeypatch)
     fit = FitExports(TENSORS)
     trainer(tmp_dir, [fit], 5, logger=False).fit(TinyModel(), loader())
@@ -311,3 +313,45 @@ def test_a_step_whose_host_holds_more_than_its_ops_finds_its_arrows_anew():
         stats, rows, instants, by_id = step(relu_at, runtime_at)
         assert borrow(template, stats, rows, instants, 0, by_id, True, False) is None
         assert [(e.producer.op, e.consumer.op) for e in stats.edges] == [("aten::empty", "aten::relu")]
+
+
+def test_a_step_whose_backward_runs_on_a_thread_of_its_own_borrows_across_both():
+    """On CUDA, autograd runs the backward on a thread of its own: a backward op there reads a tensor a forward op
+    made on the step's thread, and the arrow between them is borrowed like any other. A thread that is not the
+    step's (a DataLoader's pin-memory thread), whose ops vary in number from step to step, is not compared."""
+    from hookprof.step_stats import StepStats, TensorDescription
+    from hookprof.tracing.kineto_trace import _convert
+    from hookprof.tracing.step_identity import SIGNATURE, IdentityTemplate, Interned, _step_rows, borrow
+
+    def op(name, ts, dur, tid, external_id, cat="cpu_op"):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid,
+                "args": {"External id": external_id, "Input Dims": [[4]], "Input type": ["float"]}}
+
+    def step(pinned):
+        events = [
+            op("autograd::engine::evaluate_function: ReluBackward0", 20, 5, 2, 3),
+            op("aten::threshold_backward", 21, 2, 2, 4),
+            op("module::fc", 0, 10, 1, 1, cat="user_annotation"),
+            op("aten::relu", 1, 3, 1, 2),
+            *(op("aten::pin_memory", 12 + i, 1, 3, 10 + i) for i in range(pinned)),
+            {"ph": "i", "name": "[memory]", "ts": 2, "tid": 1, "args": {"Bytes": 64, "Addr": 100, "Device Type": 0}},
+        ]
+        stats, rows, instants = StepStats(), [], []
+        by_id = _convert(events, 0, stats, True, False, rows, instants, Interned())
+        return stats, rows, instants, by_id
+
+    _, rows, _, _ = step(1)
+    own = _step_rows(rows)
+    assert [(row.tid, row.name) for row in own] == [
+        (1, "module::fc"), (1, "aten::relu"),
+        (2, "autograd::engine::evaluate_function: ReluBackward0"), (2, "aten::threshold_backward")]
+    # relu (op 1, on the step's thread) makes a 64-byte tensor, the backward's threshold_backward (op 3) reads it
+    template = IdentityTemplate([row[SIGNATURE] for row in own],
+                                [[], [], [], [(0, ("made", 1, 0), TensorDescription("float32", (16,), 64))]],
+                                [frozenset()] * 4, {1: [64]})
+    for pinned in (1, 2):
+        stats, rows, instants, by_id = step(pinned)
+        assert borrow(template, stats, rows, instants, 0, by_id, True, True) is None
+        assert [(e.producer.op, e.consumer.op, e.consumer.thread_id) for e in stats.edges] == [
+            ("aten::relu", "aten::threshold_backward", 2)]
+        assert [(a.producer.op, a.nbytes) for a in stats.allocations] == [("aten::relu", 64)]

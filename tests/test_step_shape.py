@@ -21,6 +21,7 @@ from hookprof.tracing import HostTracer
 from hookprof.tracing.torch_tracer import TorchTracer
 from lightning_prof import ProfilerHook
 from tests import worker_probe
+from tests.conftest import skip_where_cuda_started
 from tests.lightning_models import HeldAtTheEnd, TinyModel, loader, trainer
 
 
@@ -32,9 +33,7 @@ def test_a_nodes_shape_is_every_field_but_its_times():
 
 def traced_steps(count, memory=False):
     """`count` real training steps of one model, traced with dataflow (and memory) (steps 7, 8, ...)."""
-    if torch.cuda.is_initialized():  # (an earlier test ran CUDA here, as on a GPU machine)
-        pytest.skip("this process has started CUDA: its CPU steps record the CUDA runtime's calls, whose "
-                    "correlation ids differ from step to step (no two steps have one shape)")
+    skip_where_cuda_started()
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     tracer = TorchTracer(model)
@@ -103,6 +102,7 @@ def test_a_step_of_another_shape_or_order_renders_as_it_alone_would(kept):
 
 @pytest.mark.parametrize("render_worker", [True, False], ids=["worker", "in-process"])
 def test_what_renderers_keep_of_a_fits_last_step_goes_when_the_fit_ends(tmp_dir, render_worker):
+    skip_where_cuda_started()
     if render_worker and not worker.AVAILABLE:
         pytest.skip("the render worker runs on POSIX systems")
     held = (lambda token: worker.WORKER.call(worker_probe.shaped_parts_held, token)) if render_worker \
@@ -148,6 +148,9 @@ def jax_steps(count):
     """`count` traced runs of one jitted JAX function (each program span has its run's id: no two have a shape)."""
     jax = pytest.importorskip("jax")
     from hookprof.tracing.jax_tracer import JaxTracer
+
+    if jax.default_backend() != "cpu":  # (on a GPU machine: its steps have kernels, and torch may hold CUPTI)
+        pytest.skip("JAX runs on a GPU here: this is a test of CPU steps")
 
     step = jax.jit(lambda x: jax.numpy.tanh(x @ x).sum())
     x = jax.numpy.ones((16, 16))

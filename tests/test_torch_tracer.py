@@ -11,6 +11,7 @@ import torch
 from hookprof import RunOptions, TraceLevel
 from hookprof.tracing.torch_private import export_only_config
 from hookprof.tracing.torch_tracer import TorchTracer
+from tests.conftest import skip_where_cuda_started
 
 FULL = RunOptions(trace_level=TraceLevel.FULL_TRACE)
 
@@ -132,8 +133,7 @@ def test_a_cpu_model_on_a_host_with_a_gpu_traces_as_on_a_cpu_host(monkeypatch):
     lent H100, a CPU model's steps carried the CUDA runtime's calls (each with a per-step correlation id) and
     took the CUDA paths (a full stop, every step walking its tree). Here a GPU is said to be there, and the
     process never started CUDA: the step stops cheaply, as on a CPU host."""
-    if torch.cuda.is_initialized():  # (an earlier test ran CUDA here, as on a GPU machine)
-        pytest.skip("this process has started CUDA")
+    skip_where_cuda_started()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     model = Net()
     results, _ = step_content(model, TorchTracer(model), FULL)

@@ -30,7 +30,9 @@ from hookprof.run_options import RunOptions
 from hookprof.step_stats import NodeExecStats, StepStats
 from hookprof.trace import format as fmt
 from hookprof.tracing.step_identity import (
+    BACKWARD_PREFIX,
     DATAFLOW_MISSING,
+    MODULE_PREFIX,
     NOT_TENSORS,
     TEMPLATES,
     Interned,
@@ -42,9 +44,7 @@ from hookprof.tracing.step_identity import (
 from hookprof.tracing.torch_dataflow import EventTree
 from hookprof.tracing.tracer import HOST_DEVICE
 
-MODULE_PREFIX = "module::"
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")  # CPython's repr of an object: `<... object at 0x7f3fd32cea40>`
-BACKWARD_PREFIX = "autograd::engine::evaluate_function: "
 OPTIMIZER_PREFIXES = ("Optimizer.step#", "Optimizer.zero_grad#")
 
 # torch's C++ type names as the profiler reports them -> the dtype names this project writes.

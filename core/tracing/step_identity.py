@@ -55,6 +55,11 @@ from hookprof.tracing.tracer import HOST_DEVICE
 DATAFLOW_MISSING = "dataflow_missing"  # the step's metadata: why it has no arrows and no memory objects
 
 
+# the names of spans of hookprof's module calls and of autograd's backward functions, in kineto's export
+MODULE_PREFIX = "module::"
+BACKWARD_PREFIX = "autograd::engine::evaluate_function: "
+STEP_THREAD_PREFIXES = (MODULE_PREFIX, BACKWARD_PREFIX)  # what only the step's own threads run (`_step_rows`)
+
 SIGNATURE = slice(3, None)  # a Row's signature: (name, dims, types)
 
 
@@ -110,19 +115,27 @@ class IdentityTemplate:
         return [all(key[0] != "made" for _, key, _ in reads) for reads in self.reads]
 
 
-def _main_thread(rows: list[Row]) -> list[Row]:
-    """The rows of the thread with the most ops (the step's own: its backward runs there on CPU)."""
+def _step_rows(rows: list[Row]) -> list[Row]:
+    """The rows of the step's own threads, thread by thread (in the order each first ran an op), each thread's in
+    start order: the thread with the most ops (the step's own: its backward runs there on CPU) and those that run
+    its module calls or its backward (on CUDA, autograd runs the backward on a thread of its own). Others (a
+    DataLoader's pin-memory thread, say) run ops whose number and times vary from step to step."""
     counts = collections.Counter(row.tid for row in rows)
     if len(counts) <= 1:
         return rows
-    tid = counts.most_common(1)[0][0]
-    return [row for row in rows if row.tid == tid]
+    own = {counts.most_common(1)[0][0]}
+    own.update(row.tid for row in rows if row.name.startswith(STEP_THREAD_PREFIXES))
+    by_thread: dict[int, list[Row]] = {}
+    for row in rows:
+        if row.tid in own:
+            by_thread.setdefault(row.tid, []).append(row)
+    return [row for thread in by_thread.values() for row in thread]
 
 
 def build_template(tree: EventTree, rows: list[Row], interned: Interned | None = None) -> IdentityTemplate:
     """The template of a step whose event tree was walked, with its export's `rows` (see `Row`) and the
     argument lists they share (`Interned`)."""
-    rows = _main_thread(rows)
+    rows = _step_rows(rows)
     position = {row.external_id: i for i, row in enumerate(rows)}
     made: dict[int, list[int]] = {}
     keys: dict[int, Hashable] = {}  # allocation id -> ("made", op position, rank)
@@ -228,7 +241,8 @@ def _said(signature: tuple) -> str:
 
 
 def _differs(template: IdentityTemplate, main: list[Row]) -> str | None:
-    """Why the step's ops (`main`, its main thread's rows) differ from its template's; None where they do not."""
+    """Why the step's ops (`main`, its own threads' rows: `_step_rows`) differ from its template's; None where they
+    do not."""
     if len(main) != len(template.signatures):
         return (f"its {len(main)} ops differ from the {len(template.signatures)} of the step its tensor "
                 "identities were taken from")
@@ -244,7 +258,7 @@ def _differs(template: IdentityTemplate, main: list[Row]) -> str | None:
 def apply_template(template: IdentityTemplate, main: list[Row], rows: list[Row], allocations: list[Allocation],
                    threads: list[int]) -> tuple[EventTree | None, str | None]:
     """The step's identity as an `EventTree` (what dataflow and memory read) from `template` and the step's own
-    export (`rows`, `main` those of its main thread, whose ops are the template's: `_differs`; its allocations
+    export (`rows`, `main` those of its own threads, whose ops are the template's: `_differs`; its allocations
     and frees with their threads: `memory_events`); or None and why they do not match."""
     blocks = step_allocations(allocations, threads, rows)
     index = {row.external_id: i for i, row in enumerate(main)}
@@ -270,6 +284,12 @@ def apply_template(template: IdentityTemplate, main: list[Row], rows: list[Row],
             else:
                 mapped.append((argument, key, tensor))
         ops.append((row.external_id, mapped, written))
+    if main and main[0].tid != main[-1].tid:
+        # ops of several threads (`_step_rows`: thread by thread): in start order, as a walk has them, and what
+        # each allocation held found from their reads in that order, which may interleave otherwise than the
+        # template's did
+        order = sorted(range(len(ops)), key=lambda i: main[i].node.start_ns)
+        return EventTree.from_parts([ops[i] for i in order], allocations, blocks), None
     held = {made[key[1]][key[2]]: tensor for key, tensor in template.held.items()}
     return EventTree.from_parts(ops, allocations, blocks, held), None
 
@@ -361,7 +381,7 @@ def borrow(template: IdentityTemplate, stats: StepStats, rows: list[Row], instan
     identities make of its own export (`rows`, its `[memory]` instants, its times after `base` ns); or say why
     they do not fit it. A step of the layout of the fit's last borrowing step takes what that one found
     (`BorrowedStep`)."""
-    main = _main_thread(rows)
+    main = _step_rows(rows)
     reason = _differs(template, main)
     if reason is not None:
         return reason

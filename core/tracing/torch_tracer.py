@@ -29,8 +29,8 @@ from hookprof._runtime.private_dir import PROCESS_DIRECTORY
 from hookprof.naming import root_label
 from hookprof.run_options import RunOptions, TraceLevel
 from hookprof.step_stats import StepStats
-from hookprof.tracing.kineto_trace import BORROW, MODULE_PREFIX, NO_TEMPLATE, RECORD, KinetoExport
-from hookprof.tracing.step_identity import release_fit
+from hookprof.tracing.kineto_trace import BORROW, NO_TEMPLATE, RECORD, KinetoExport
+from hookprof.tracing.step_identity import MODULE_PREFIX, release_fit
 from hookprof.tracing.torch_dataflow import event_tree
 from hookprof.tracing.torch_private import (
     export_only_config,
@@ -223,8 +223,8 @@ class TorchTracer(Tracer):
         # tree is what dataflow and memory read; torch refuses the option with Python stacks). CUDA steps keep
         # the full stop until kernels in such an export are checked on a GPU.
         # A step that borrows its tensor identities from an earlier one needs only the export too (its memory
-        # instants included). CUDA steps, and steps with Python stacks, walk their own tree.
-        identities = self._identities if options.records_tensors and not (use_cuda or options.with_stack) else None
+        # instants included). Steps with Python stacks walk their own tree.
+        identities = self._identities if options.records_tensors and not options.with_stack else None
         mode = identities.mode() if identities is not None else None
         self._identity = None if mode is None else (mode, identities.token)
         cheap = not options.records_tensors or mode == BORROW
