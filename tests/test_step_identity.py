@@ -287,6 +287,7 @@ def test_a_step_whose_host_holds_more_than_its_ops_finds_its_arrows_anew():
     among them, which may trade places with an op from one step to the next, the order of starts and ends
     unchanged) never reuses the last step's, so each step's arrow joins the ops it joins when found anew."""
     from hookprof.step_stats import StepStats, TensorDescription
+    from hookprof.tracing.kineto_events import kineto_events
     from hookprof.tracing.kineto_trace import _convert
     from hookprof.tracing.step_identity import SIGNATURE, IdentityTemplate, Interned, borrow
 
@@ -301,7 +302,7 @@ def test_a_step_whose_host_holds_more_than_its_ops_finds_its_arrows_anew():
             {"ph": "i", "name": "[memory]", "ts": 1, "tid": 1, "args": {"Bytes": 64, "Addr": 100, "Device Type": 0}},
         ]
         stats, rows, instants = StepStats(), [], []
-        by_id = _convert(events, 0, stats, True, False, rows, instants, Interned())
+        by_id = _convert(kineto_events(events), 0, stats, True, False, rows, instants, Interned())
         return stats, rows, instants, by_id
 
     _, rows, _, _ = step(8, 6)
@@ -320,6 +321,7 @@ def test_a_step_whose_backward_runs_on_a_thread_of_its_own_borrows_across_both()
     made on the step's thread, and the arrow between them is borrowed like any other. A thread that is not the
     step's (a DataLoader's pin-memory thread), whose ops vary in number from step to step, is not compared."""
     from hookprof.step_stats import StepStats, TensorDescription
+    from hookprof.tracing.kineto_events import kineto_events
     from hookprof.tracing.kineto_trace import _convert
     from hookprof.tracing.step_identity import SIGNATURE, IdentityTemplate, Interned, _step_rows, borrow
 
@@ -337,7 +339,7 @@ def test_a_step_whose_backward_runs_on_a_thread_of_its_own_borrows_across_both()
             {"ph": "i", "name": "[memory]", "ts": 2, "tid": 1, "args": {"Bytes": 64, "Addr": 100, "Device Type": 0}},
         ]
         stats, rows, instants = StepStats(), [], []
-        by_id = _convert(events, 0, stats, True, False, rows, instants, Interned())
+        by_id = _convert(kineto_events(events), 0, stats, True, False, rows, instants, Interned())
         return stats, rows, instants, by_id
 
     _, rows, _, _ = step(1)

@@ -29,6 +29,7 @@ from hookprof._runtime.gc_pause import paused_gc
 from hookprof.run_options import RunOptions
 from hookprof.step_stats import NodeExecStats, StepStats
 from hookprof.trace import format as fmt
+from hookprof.tracing.kineto_events import KinetoEvent, decode_trace
 from hookprof.tracing.step_identity import (
     BACKWARD_PREFIX,
     DATAFLOW_MISSING,
@@ -57,7 +58,6 @@ _TORCH_DTYPES = {
     "unsigned long": "uint64",
 }
 _KERNEL_ACTIVITIES = {"kernel", "gpu_memcpy", "gpu_memset", "concurrent_kernel"}
-_LAUNCH_ARGS = (fmt.ARG_GRID, fmt.ARG_BLOCK, fmt.ARG_REGISTERS, fmt.ARG_SHARED_MEMORY, fmt.ARG_OCCUPANCY, fmt.ARG_BYTES)
 _RUNTIME_ACTIVITIES = {"cuda_runtime", "cuda_driver"}
 _HOST_ACTIVITIES = {"cpu_op", "user_annotation"} | _RUNTIME_ACTIVITIES
 _IDENTITY_ACTIVITIES = ("cpu_op", "user_annotation")  # the rows a template joins (`step_identity.Row`)
@@ -100,16 +100,16 @@ class KinetoExport:
         options = self.options
         mode, token = self.identity or (None, "")
         rows: list[Row] | None = [] if mode is not None else None
-        instants: list[dict[str, Any]] | None = [] if mode == BORROW else None
+        instants: list[KinetoEvent] | None = [] if mode == BORROW else None
         template = TEMPLATES.recall(token) if mode == BORROW else None
         # a borrowing step's argument lists are its template's own objects where equal: signatures compare at once
         interned = template.interned.copy() if template is not None else Interned()
         with paused_gc():
-            data = orjson.loads(raw)
-            base = data.get("baseTimeNanoseconds", 0)
-            if data.get("deviceProperties"):  # each GPU's model and capabilities
-                stats.metadata[fmt.DEVICE_PROPERTIES] = data["deviceProperties"]
-            by_external_id = _convert(data.get("traceEvents", ()), base, stats, options.records_tensors,
+            data = decode_trace(raw)
+            base = data.baseTimeNanoseconds
+            if data.deviceProperties:  # each GPU's model and capabilities
+                stats.metadata[fmt.DEVICE_PROPERTIES] = data.deviceProperties
+            by_external_id = _convert(data.traceEvents, base, stats, options.records_tensors,
                                       options.with_stack, rows, instants, interned)
             tree = self.tree
             if mode == RECORD and tree is not None:
@@ -124,6 +124,9 @@ class KinetoExport:
                     self.report_mismatch(reason)
             if tree is not None:
                 add_tree_records(tree, stats, by_external_id, options.record_dataflow, options.record_memory)
+            # freed while the collector is paused: the collection that its resuming starts looks at every object
+            # made while paused and still alive, and the export's parsed events are most of them (0.1 s at 20k ops)
+            del data, rows, instants, by_external_id
         return stats
 
 
@@ -133,7 +136,6 @@ NO_TEMPLATE = ("the step its tensor identities were to be taken from was not con
                "worker, or a failed conversion)")
 
 
-_NO_ARGS: dict[str, Any] = {}
 _RAW: Any = object()  # a row's dims or types as the export gives them (not interned)
 _OUTSIDE = (0, "", "", "")  # the stack entry around a thread's outermost events: no scope, phase or optimizer
 _COUNTED = frozenset({"aten::conv2d", "aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::mul",
@@ -188,9 +190,10 @@ def flops(name: str, dims: Any, types: Any, concrete: Any) -> int:
     return 0
 
 
-def _convert(events: Any, base: int, stats: StepStats, want_ids: bool = False, with_stack: bool = False,
-             rows_out: list[Row] | None = None, instants_out: list[dict[str, Any]] | None = None,
-             interned: Interned | None = None) -> dict[int, NodeExecStats]:
+def _convert(events: list[KinetoEvent], base: int, stats: StepStats, want_ids: bool = False,
+             with_stack: bool = False, rows_out: list[Row] | None = None,
+             instants_out: list[KinetoEvent] | None = None, interned: Interned | None = None,
+             ) -> dict[int, NodeExecStats]:
     """Turn kineto's exported events (times in microseconds after `base` ns) into NodeExecStats: scopes from
     module spans, phases from autograd and optimizer. With `with_stack`, each op gets its Python call
     stack (`args["stack"]`, outermost frame first) from the Python-function spans enclosing it on its
@@ -206,18 +209,18 @@ def _convert(events: Any, base: int, stats: StepStats, want_ids: bool = False, w
     kernels: list[tuple[int, NodeExecStats]] = []  # (the launching op's External id, the kernel)
     host_activities = _HOST_ACTIVITIES | {"python_function"} if with_stack else _HOST_ACTIVITIES
     for event in events:
-        if event.get("ph") != "X":
-            if instants_out is not None and event.get("name") == "[memory]":
+        if event.ph != "X":
+            if instants_out is not None and event.name == "[memory]":
                 instants_out.append(event)
             continue
-        activity = event.get("cat")
+        activity = event.cat
         if activity in host_activities:
-            start, dur, name = round(event["ts"] * 1000) + base, round(event.get("dur", 0) * 1000), event["name"]
+            start, dur, name = round(event.ts * 1000) + base, round(event.dur * 1000), event.name
             if name.startswith(BACKWARD_PREFIX):
                 backward_end = max(backward_end, start + dur)
             elif name.startswith(MODULE_PREFIX):  # the fast C++ span reports itself as an op
                 activity = "user_annotation"
-            rows.append((start, -dur, event["tid"], len(rows), activity, name, event.get("args") or _NO_ARGS))
+            rows.append((start, -dur, event.tid, len(rows), activity, name, event.args))
         elif activity in _KERNEL_ACTIVITIES:
             kernels.append(_add_kernel(event, activity, base, stats))
     rows.sort()
@@ -261,14 +264,16 @@ def _convert(events: Any, base: int, stats: StepStats, want_ids: bool = False, w
                 # thread is the first to run forward ops (a forward spread over threads is not told apart).
                 seqs = next(iter(forward_scopes.values()), None)
                 if seqs is not None:
-                    scope = seqs.get(fields.get("Sequence number", -1), scope)
+                    scope = seqs.get(fields.sequence, scope)
             else:
-                shapes = fields.get("Input Dims", [])
-                if shapes:
+                shapes = fields.dims
+                if shapes is None:
+                    shapes = []
+                elif shapes:
                     # a step has few distinct signatures: one list each, shared (the timeline and the XSpace
                     # serialise each once, by its identity), the dtypes mapped once
                     shapes = dims = shapes_cache.setdefault(orjson.dumps(shapes), shapes)
-                    types = fields.get("Input type")
+                    types = fields.types
                     raw = tuple(types) if types else ()
                     found = types_cache.get(raw)
                     if found is None:
@@ -277,8 +282,7 @@ def _convert(events: Any, base: int, stats: StepStats, want_ids: bool = False, w
                         types = found[0]
                     dtypes = found[1]
                 if name in _COUNTED:
-                    count = flops(name, shapes or (), fields.get("Input type") or (),
-                                  fields.get("Concrete Inputs") or ())
+                    count = flops(name, shapes or (), fields.types or (), fields.concrete or ())
                     if count:
                         args = {"flops": count}
             if with_stack:
@@ -302,11 +306,11 @@ def _convert(events: Any, base: int, stats: StepStats, want_ids: bool = False, w
                     phase, scope = "optimizer", optimizer
         else:  # cudaLaunchKernel & co.: the launch end of a launch -> kernel arrow
             category = fmt.CAT_RUNTIME
-            args = {"correlation": fields.get("correlation", 0)}
+            args = {"correlation": fields.correlation}
         if not phase:
             phase = "optimizer" if backward_end and start >= backward_end else "forward"
         if phase == "forward" and category == cat_op:
-            seq = fields.get("Sequence number", -1)
+            seq = fields.sequence
             if seq >= 0:
                 scopes = forward_scopes.get(tid)
                 if scopes is None:
@@ -325,11 +329,11 @@ def _convert(events: Any, base: int, stats: StepStats, want_ids: bool = False, w
         )
         nodes.append(node)
         if activity in _IDENTITY_ACTIVITIES:
-            external_id = fields.get("External id", 0)
+            external_id = fields.external_id
             if rows_out is not None:
                 rows_out.append(new_row(Row, (node, external_id, tid, name,
-                                              fields.get("Input Dims") if dims is _RAW else dims,
-                                              fields.get("Input type") if types is _RAW else types)))
+                                              fields.dims if dims is _RAW else dims,
+                                              fields.types if types is _RAW else types)))
             if activity == "cpu_op":
                 if want_ids:
                     by_external_id[external_id] = node
@@ -344,23 +348,25 @@ def _convert(events: Any, base: int, stats: StepStats, want_ids: bool = False, w
     return by_external_id
 
 
-def _add_kernel(event: dict[str, Any], activity: str, base: int, stats: StepStats) -> tuple[int, NodeExecStats]:
+def _add_kernel(event: KinetoEvent, activity: str, base: int, stats: StepStats) -> tuple[int, NodeExecStats]:
     """A kernel, memcpy or memset on its device's stream; returns it with its launching op's External id."""
-    fields = event.get("args") or _NO_ARGS
-    index = fields.get("device", 0)
+    fields = event.args
+    index = fields.device
     device = stats.device(f"/device:CUDA:{index}")
-    stream = fields.get("stream", event.get("tid", 0))
+    stream = event.tid if fields.stream is None else fields.stream
     device.thread_names.setdefault(stream, f"stream {stream}")
-    name = event["name"]
+    name = event.name
     kernel = NodeExecStats(
-        node_name=name, op=name, start_ns=round(event["ts"] * 1000) + base,
-        duration_ns=round(event.get("dur", 0) * 1000), thread_id=stream, category=fmt.CAT_KERNEL,
-        args={fmt.ARG_CORRELATION: fields.get("correlation", 0), fmt.ARG_KERNEL_KIND: activity,
-              fmt.ARG_STREAM: stream, fmt.ARG_DEVICE: index},
+        node_name=name, op=name, start_ns=round(event.ts * 1000) + base, duration_ns=round(event.dur * 1000),
+        thread_id=stream, category=fmt.CAT_KERNEL,
+        args={fmt.ARG_CORRELATION: fields.correlation, fmt.ARG_KERNEL_KIND: activity, fmt.ARG_STREAM: stream,
+              fmt.ARG_DEVICE: index},
     )
-    for key in _LAUNCH_ARGS:  # the launch configuration (kernels), the bytes (memcpys, memsets)
-        value = fields.get(key)
+    # the launch configuration (kernels), the bytes (memcpys, memsets)
+    for key, value in ((fmt.ARG_GRID, fields.grid), (fmt.ARG_BLOCK, fields.block),
+                       (fmt.ARG_REGISTERS, fields.registers), (fmt.ARG_SHARED_MEMORY, fields.shared_memory),
+                       (fmt.ARG_OCCUPANCY, fields.occupancy), (fmt.ARG_BYTES, fields.bytes)):
         if value is not None:
             kernel.args[key] = value
     device.node_stats.append(kernel)
-    return fields.get("External id", -1), kernel
+    return fields.external_id, kernel

@@ -33,13 +33,14 @@ import dataclasses
 import functools
 import operator
 from collections.abc import Hashable
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 
 from hookprof._runtime.by_fit import ByFit
 from hookprof.step_stats import DataEdge, NodeExecStats, StepStats, TensorDescription
 from hookprof.tracing.dataflow import find_edges
+from hookprof.tracing.kineto_events import KinetoEvent
 from hookprof.tracing.torch_dataflow import (
     ALLOCATING_PLUMBING,
     Allocation,
@@ -156,25 +157,25 @@ def build_template(tree: EventTree, rows: list[Row], interned: Interned | None =
     return IdentityTemplate([row[SIGNATURE] for row in rows], reads, written, made, interned or Interned())
 
 
-def memory_events(instants: list[dict[str, Any]], base: int) -> tuple[list[Allocation], list[int]]:
+def memory_events(instants: list[KinetoEvent], base: int) -> tuple[list[Allocation], list[int]]:
     """kineto's `[memory]` instants as the step's allocations and frees in time order, with each one's thread: an
     allocation's id (this step's own) is its place in the list, a free has the id of the allocation it frees
     (the last one at its address), or a negative one of its own for memory from before the step."""
     allocations: list[Allocation] = []
     threads: list[int] = []
     live: dict[tuple[str, int], int] = {}  # (device, address) -> allocation id
-    for time, _, event in sorted((round(e["ts"] * 1000) + base, i, e) for i, e in enumerate(instants)):
-        fields = event.get("args") or {}
-        nbytes, address = fields.get("Bytes", 0), fields.get("Addr", 0)
-        cuda = fields.get("Device Type", 0) != 0  # (kineto's device types: 0 the CPU, 1 CUDA)
-        device = f"/device:CUDA:{max(0, fields.get('Device Id', 0))}" if cuda else HOST_DEVICE
+    for time, _, event in sorted((round(e.ts * 1000) + base, i, e) for i, e in enumerate(instants)):
+        fields = event.args
+        nbytes, address = fields.nbytes, fields.address
+        cuda = fields.device_type != 0  # (kineto's device types: 0 the CPU, 1 CUDA)
+        device = f"/device:CUDA:{max(0, fields.device_id)}" if cuda else HOST_DEVICE
         if nbytes > 0:
             allocation_id = live[(device, address)] = len(allocations)
         else:
             allocation_id = live.pop((device, address), -1 - len(allocations))
-        allocations.append(Allocation(time, allocation_id, nbytes, device, fields.get("Total Allocated", 0),
-                                      fields.get("Total Reserved", 0)))
-        threads.append(event.get("tid", 0))
+        allocations.append(Allocation(time, allocation_id, nbytes, device, fields.total_allocated,
+                                      fields.total_reserved))
+        threads.append(event.tid)
     return allocations, threads
 
 
@@ -375,7 +376,7 @@ class BorrowedStep:
             add_memory(stats, allocations, block)
 
 
-def borrow(template: IdentityTemplate, stats: StepStats, rows: list[Row], instants: list[dict[str, Any]], base: int,
+def borrow(template: IdentityTemplate, stats: StepStats, rows: list[Row], instants: list[KinetoEvent], base: int,
            nodes_by_id: dict[int, NodeExecStats], dataflow: bool, memory: bool) -> str | None:
     """Give a step the arrows and memory records (those `dataflow` and `memory` ask for) that `template`'s
     identities make of its own export (`rows`, its `[memory]` instants, its times after `base` ns); or say why
