@@ -253,8 +253,8 @@ class StepShape:
     __hash__ = None  # type: ignore[assignment]
 
     def recall(self, renderer: str) -> Any:
-        """What `renderer` ("timeline", "graph", "xspace") kept of its fit's last step, if that step had this
-        shape; else None."""
+        """What `renderer` ("timeline", its arrows "flows", "graph", "xspace") kept of its fit's last step, if that
+        step had this shape; else None."""
         return None if self.kept is None else getattr(self.kept, renderer).parts(self)
 
     def keep(self, renderer: str, parts: Any) -> None:
@@ -304,11 +304,11 @@ class KeptParts:
     correlation id is in its args), or two steps in a row of another shape than the step before, none of
     the fit's steps having had its last one's (JAX's program spans: each run's id)."""
 
-    __slots__ = ("timeline", "graph", "xspace", "graph_names", "_differed", "_matched", "_off")
+    __slots__ = ("timeline", "flows", "graph", "xspace", "graph_names", "_differed", "_matched", "_off")
     DIFFERED_MAX = 2
 
     def __init__(self) -> None:
-        self.timeline, self.graph, self.xspace = ShapedParts(), ShapedParts(), ShapedParts()
+        self.timeline, self.flows, self.graph, self.xspace = ShapedParts(), ShapedParts(), ShapedParts(), ShapedParts()
         self.graph_names: Any = None
         self._differed = 0  # the fit's steps in a row of another shape than the one before
         self._matched = False  # whether a step of the fit had its last one's shape
@@ -339,7 +339,7 @@ class KeptParts:
         return shape
 
     def _clear(self) -> None:
-        for parts in (self.timeline, self.graph, self.xspace):
+        for parts in (self.timeline, self.flows, self.graph, self.xspace):
             parts.clear()
 
 

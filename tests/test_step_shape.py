@@ -64,8 +64,9 @@ def kept():
 
 
 def last_kept(kept):
-    """The shape each renderer (timeline, step graph, XSpace) kept parts of, or None."""
-    return [None if parts._last is None else parts._last[0] for parts in (kept.timeline, kept.graph, kept.xspace)]
+    """The shape each renderer (timeline, its arrows, step graph, XSpace) kept parts of, or None."""
+    return [None if parts._last is None else parts._last[0]
+            for parts in (kept.timeline, kept.flows, kept.graph, kept.xspace)]
 
 
 def test_a_step_of_the_last_ones_shape_renders_as_it_alone_would(kept):
@@ -113,7 +114,7 @@ def test_what_renderers_keep_of_a_fits_last_step_goes_when_the_fit_ends(tmp_dir,
         hook = ProfilerHook(save_steps=1, output_dir=tmp_dir, capture=CaptureOptions(render_worker=render_worker))
         probe = HeldAtTheEnd(hook, lambda: held(probe.token))
         trainer(tmp_dir, [probe, hook], 4).fit(TinyModel(), loader())
-        assert probe.at_end == 3  # the timeline's, the step graph's and the XSpace's, while the fit ran
+        assert probe.at_end == 4  # the timeline's, its arrows', the step graph's and the XSpace's, while the fit ran
         process = worker.WORKER._process
         assert held(probe.token) == 0
         assert worker.WORKER._process is process and (process is not None) == render_worker  # (the same worker)
@@ -140,7 +141,7 @@ def test_a_step_of_more_nodes_than_kept_renders_alike_and_keeps_nothing(monkeypa
     first, second = traced_steps(2)
     monkeypatch.setattr(ShapedParts, "KEEP_NODES_MAX", sum(len(dev.node_stats) for dev in first.dev_stats) - 1)
     assert outputs(first, StepShape(first, kept)) == outputs(first)
-    assert last_kept(kept) == [None, None, None]
+    assert last_kept(kept) == [None] * 4
     assert outputs(second, StepShape(second, kept)) == outputs(second)
 
 
@@ -172,7 +173,7 @@ def test_a_fit_whose_steps_never_repeat_a_shape_stops_taking_them(kept):
         shapes.append(kept.shape(stats))
         assert outputs(stats, shapes[-1]) == outputs(stats)
     assert [shape is not None for shape in shapes] == [True, True, False, False]
-    assert last_kept(kept) == [None, None, None]
+    assert last_kept(kept) == [None] * 4
 
 
 def test_a_step_with_kernels_takes_no_shape_nor_do_its_fits_later_steps(tmp_path, kept):
@@ -182,7 +183,7 @@ def test_a_step_with_kernels_takes_no_shape_nor_do_its_fits_later_steps(tmp_path
     cpu = traced_steps(2)
     assert kept.shape(gpu) is None and outputs(gpu, None) == outputs(gpu)
     assert kept.shape(cpu[0]) is None and kept.shape(cpu[1]) is None
-    assert last_kept(kept) == [None, None, None]
+    assert last_kept(kept) == [None] * 4
 
 
 def test_a_fit_whose_steps_repeated_a_shape_takes_them_after_steps_of_other_shapes(kept):
@@ -193,7 +194,7 @@ def test_a_fit_whose_steps_repeated_a_shape_takes_them_after_steps_of_other_shap
     for stats in (first, second, other, another, third):  # (matched; then differed twice in a row)
         shape = kept.shape(stats)
         assert shape is not None and outputs(stats, shape) == outputs(stats)
-    assert last_kept(kept) == [shape] * 3 and all(kept_shape is shape for kept_shape in last_kept(kept))
+    assert last_kept(kept) == [shape] * 4 and all(kept_shape is shape for kept_shape in last_kept(kept))
     fourth = copy.deepcopy(third)  # (and a step of the third one's shape reuses its parts)
     shape = kept.shape(fourth)
     assert shape == last_kept(kept)[0] and outputs(fourth, shape) == outputs(fourth)

@@ -39,7 +39,7 @@ def shaped_parts_held(token: str) -> int:
     kept = KEPT_PARTS.recall(token)
     if kept is None:
         return 0
-    return sum(parts._last is not None for parts in (kept.timeline, kept.graph, kept.xspace))
+    return sum(parts._last is not None for parts in (kept.timeline, kept.flows, kept.graph, kept.xspace))
 
 
 NOTES: list[str] = []  # what `note` was told, in the process that runs it

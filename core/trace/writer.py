@@ -192,7 +192,10 @@ class ChromeTraceWriter:
                     yield _step_op_event(node, pid, base, inputs, step_name)
         if self.show_dataflow:
             yield from _launch_flows(stats, base)
-            yield from _tensor_flows(stats, base)
+            if shape is not None and len(stats.dev_stats) == 1:
+                yield from _shaped_tensor_flows(stats, base, shape)
+            else:
+                yield from _tensor_flows(stats, base)
         if self.show_memory:
             yield from _memory_events(stats, base, process_prefix)
 
@@ -382,6 +385,31 @@ def _tensor_flows(stats: StepStats, base: int) -> Iterable[dict[str, Any]]:
                "tid": source.thread_id, "ts": end_us - min(0.001, source.duration_ns / 2000), "args": args}
         yield {"ph": "t", "cat": fmt.CAT_DATAFLOW, "name": edge.name, "id": flow_id, "pid": target_pid,
                "tid": target.thread_id, "ts": (target.start_ns - base) / 1000, "bp": "e", "args": args}
+
+
+def _shaped_tensor_flows(stats: StepStats, base: int, shape: StepShape) -> Iterator[orjson.Fragment]:
+    """The arrows of `_tensor_flows` (a step on the host alone), serialised: each event's untimed head and tail
+    (up to its time, and after it: what the step's shape decides, taken from the fit's last step of this shape
+    or made and kept for the next) around its time."""
+    kept = shape.recall("flows")
+    if kept is None:
+        kept = []
+        for event in _tensor_flows(stats, base):
+            keys = list(event)
+            at = keys.index("ts")
+            head = orjson.dumps({key: event[key] for key in keys[:at]})[:-1] + b',"ts":'
+            tail = b"," + orjson.dumps({key: event[key] for key in keys[at + 1:]})[1:]
+            kept.append((head, tail))
+        shape.keep("flows", kept)
+    if not kept:
+        return
+    times = []
+    for edge in stats.edges:  # (as `_tensor_flows` times them: the producer's end, the consumer's start)
+        producer = edge.producer
+        times.append((_end(producer) - base) / 1000 - min(0.001, producer.duration_ns / 2000))
+        times.append((edge.consumer.start_ns - base) / 1000)
+    for (head, tail), time in zip(kept, orjson.dumps(times)[1:-1].split(b",")):
+        yield orjson.Fragment(head + time + tail)
 
 
 def _end(node: NodeExecStats) -> int:

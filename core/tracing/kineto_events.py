@@ -19,11 +19,12 @@ import msgspec
 class KinetoArgs(msgspec.Struct, frozen=True, gc=False):
     """An event's `args`, the fields read from them (`hookprof.tracing.kineto_trace`, `step_identity`)."""
 
-    # ops
+    # ops; their argument lists as the JSON's own bytes (`NONE` where missing): a step repeats a few, which the
+    # conversion decodes once each, by those bytes (`decoded`), where building them for every op cost more
     external_id: Any = msgspec.field(name="External id", default=-1)  # (-1: none, as no op has)
-    dims: Any = msgspec.field(name="Input Dims", default=None)
-    types: Any = msgspec.field(name="Input type", default=None)
-    concrete: Any = msgspec.field(name="Concrete Inputs", default=None)
+    dims: msgspec.Raw = msgspec.field(name="Input Dims", default=msgspec.Raw())
+    types: msgspec.Raw = msgspec.field(name="Input type", default=msgspec.Raw())
+    concrete: msgspec.Raw = msgspec.field(name="Concrete Inputs", default=msgspec.Raw())
     sequence: Any = msgspec.field(name="Sequence number", default=-1)
     # CUDA runtime calls and kernels (the correlation of a launch and its kernel); kernels, memcpys, memsets
     correlation: Any = 0
@@ -69,8 +70,21 @@ class KinetoTrace(msgspec.Struct, frozen=True, gc=False):
 
 
 decode_trace = msgspec.json.Decoder(KinetoTrace).decode
+_decode = msgspec.json.decode
+
+
+def decoded(raw: msgspec.Raw, cache: dict[bytes, Any]) -> Any:
+    """An argument list (`KinetoArgs.dims`, `.types`, `.concrete`) as Python values, one object per distinct
+    list in `cache` (by its JSON); None where the event has none."""
+    if not raw:
+        return None
+    key = bytes(raw)
+    value = cache.get(key)
+    if value is None:
+        value = cache[key] = _decode(key)
+    return value
 
 
 def kineto_events(events: list[dict[str, Any]]) -> list[KinetoEvent]:
     """Events given as the JSON's dicts (tests write steps so) as the decoded records."""
-    return msgspec.convert(events, list[KinetoEvent])
+    return decode_trace(msgspec.json.encode({"traceEvents": events})).traceEvents

@@ -23,13 +23,11 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-import orjson
-
 from hookprof._runtime.gc_pause import paused_gc
 from hookprof.run_options import RunOptions
 from hookprof.step_stats import NodeExecStats, StepStats
 from hookprof.trace import format as fmt
-from hookprof.tracing.kineto_events import KinetoEvent, decode_trace
+from hookprof.tracing.kineto_events import KinetoEvent, decode_trace, decoded
 from hookprof.tracing.step_identity import (
     BACKWARD_PREFIX,
     DATAFLOW_MISSING,
@@ -266,23 +264,22 @@ def _convert(events: list[KinetoEvent], base: int, stats: StepStats, want_ids: b
                 if seqs is not None:
                     scope = seqs.get(fields.sequence, scope)
             else:
-                shapes = fields.dims
+                # a step has few distinct signatures: one list each, shared (the timeline and the XSpace
+                # serialise each once, by its identity), the dtypes mapped once
+                shapes = decoded(fields.dims, shapes_cache)
                 if shapes is None:
                     shapes = []
                 elif shapes:
-                    # a step has few distinct signatures: one list each, shared (the timeline and the XSpace
-                    # serialise each once, by its identity), the dtypes mapped once
-                    shapes = dims = shapes_cache.setdefault(orjson.dumps(shapes), shapes)
-                    types = fields.types
-                    raw = tuple(types) if types else ()
-                    found = types_cache.get(raw)
+                    dims = shapes
+                    key = bytes(fields.types)
+                    found = types_cache.get(key)
                     if found is None:
-                        found = types_cache[raw] = (types, [dtype_names.get(d, d) for d in raw])
-                    if types:
-                        types = found[0]
-                    dtypes = found[1]
+                        listed = decoded(fields.types, {})
+                        found = types_cache[key] = (listed, [dtype_names.get(d, d) for d in listed or ()])
+                    types, dtypes = found
                 if name in _COUNTED:
-                    count = flops(name, shapes or (), fields.types or (), fields.concrete or ())
+                    listed = types if types is not _RAW else decoded(fields.types, {})
+                    count = flops(name, shapes, listed or (), decoded(fields.concrete, {}) or ())
                     if count:
                         args = {"flops": count}
             if with_stack:
@@ -332,8 +329,8 @@ def _convert(events: list[KinetoEvent], base: int, stats: StepStats, want_ids: b
             external_id = fields.external_id
             if rows_out is not None:
                 rows_out.append(new_row(Row, (node, external_id, tid, name,
-                                              fields.dims if dims is _RAW else dims,
-                                              fields.types if types is _RAW else types)))
+                                              decoded(fields.dims, shapes_cache) if dims is _RAW else dims,
+                                              decoded(fields.types, {}) if types is _RAW else types)))
             if activity == "cpu_op":
                 if want_ids:
                     by_external_id[external_id] = node

@@ -80,12 +80,12 @@ class Row(NamedTuple):
 
 @dataclasses.dataclass
 class Interned:
-    """A step's argument lists, one object per distinct value: shapes by their JSON, types by their tuple (with
-    their dtype names). A borrowing step's conversion starts from a copy of its template's, so that its
-    signatures hold the template's own lists where they are equal, and compare at once."""
+    """A step's argument lists, one object per distinct value, by their JSON: shapes, and types (with their dtype
+    names). A borrowing step's conversion starts from a copy of its template's, so that its signatures hold the
+    template's own lists where they are equal, and compare at once."""
 
     shapes: dict[bytes, list] = dataclasses.field(default_factory=dict)
-    types: dict[tuple, tuple[list | None, list[str]]] = dataclasses.field(default_factory=dict)
+    types: dict[bytes, tuple[list | None, list[str]]] = dataclasses.field(default_factory=dict)
 
     def copy(self) -> Interned:
         return Interned(dict(self.shapes), dict(self.types))
