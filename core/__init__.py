@@ -10,42 +10,51 @@ package imports neither lightning nor keras, and torch only inside `hookprof.tra
     profiler/     the multi-step Profiler (tfprof): views, options, advice, saved profiles
 """
 
-from hookprof import summary
-from hookprof.hooks import (
-    CaptureOptions,
-    CheckpointSaverHook,
-    CheckpointSaverListener,
-    FeedFnHook,
-    FinalOpsHook,
-    GlobalStepWaiterHook,
-    HookedSession,
-    LoggingTensorHook,
-    ManualSession,
-    NanLossDuringTrainingError,
-    NanTensorHook,
-    NeverTriggerTimer,
-    ProfilerHook,
-    RunMetadata,
-    RunOptions,
-    SecondOrStepTimer,
-    Session,
-    SessionRunArgs,
-    SessionRunContext,
-    SessionRunHook,
-    SessionRunValues,
-    StepCounterHook,
-    StepState,
-    StopAtStepHook,
-    SummarySaverHook,
-    TraceLevel,
-    latest_checkpoint,
-    list_variables,
-    load_variable,
-    step_feeds,
-)
-from hookprof.profiler import ProfileOptionBuilder, Profiler
-from hookprof.step_stats import DeviceStepStats, NodeExecStats, StepStats, TensorDescription
-from hookprof.trace import ChromeTraceWriter
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from hookprof._runtime.lazy import lazy_names
+
+if TYPE_CHECKING:  # (type checkers read the names here; at run time each is imported where first used)
+    from hookprof import summary
+    from hookprof.hooks import (
+        CaptureOptions,
+        CheckpointSaverHook,
+        CheckpointSaverListener,
+        FeedFnHook,
+        FinalOpsHook,
+        GlobalStepWaiterHook,
+        HookedSession,
+        LoggingTensorHook,
+        ManualSession,
+        NanLossDuringTrainingError,
+        NanTensorHook,
+        NeverTriggerTimer,
+        ProfilerHook,
+        RunMetadata,
+        RunOptions,
+        SecondOrStepTimer,
+        Session,
+        SessionRunArgs,
+        SessionRunContext,
+        SessionRunHook,
+        SessionRunValues,
+        StepCounterHook,
+        StepState,
+        StopAtStepHook,
+        SummarySaverHook,
+        TraceLevel,
+        latest_checkpoint,
+        list_variables,
+        load_variable,
+        step_feeds,
+    )
+    from hookprof.profiler import ProfileOptionBuilder, Profiler
+    from hookprof.step_stats import DeviceStepStats, NodeExecStats, StepStats, TensorDescription
+    from hookprof.trace import ChromeTraceWriter
+
+__getattr__, __dir__ = lazy_names(globals())
 
 __version__ = "0.1.0"  # said once: pyproject.toml reads it from here (`dynamic`)
 

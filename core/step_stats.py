@@ -322,6 +322,8 @@ class KeptParts:
         if self._off:
             self._clear()
             return None
+        if sum(len(dev.node_stats) for dev in stats.dev_stats) > ShapedParts.KEEP_NODES_MAX:
+            return None  # (nothing of it would be kept: its renderers make no parts to keep)
         shape = StepShape(stats, self)
         # (the graph's and the XSpace's are the step's own: a triggered step's timeline has the steps before it)
         last = next((parts._last[0] for parts in (self.graph, self.xspace, self.timeline) if parts._last), None)

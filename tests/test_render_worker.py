@@ -649,6 +649,20 @@ def test_a_manual_optimization_fit_counts_each_optimizers_steps_toward_its_end(t
     assert seen.running[0] and len(hook.saved_paths) == 1
 
 
+@pytest.mark.parametrize("epochs, started", [(4, True), (3, False)])
+def test_an_accumulating_fit_counts_its_optimizer_steps_toward_its_end(tmp_path, epochs, started):
+    """Gradients accumulated over 2 batches: an epoch of 6 batches is 3 optimizer steps, so 4 epochs end at
+    step 12 (`save_steps=10` traces step 10: the worker from the first batch on) and 3 at step 9 (none)."""
+    seen = WorkerSeen()
+    hook = ProfilerHook(save_steps=10, output_dir=str(tmp_path), tensorboard=False)
+    fit = trainer(str(tmp_path), [seen, hook], max_steps=-1, max_epochs=epochs, accumulate_grad_batches=2,
+                  logger=False)
+    fit.fit(TinyModel(), loader(n=48))
+    assert fit.global_step == seen.final_step == 3 * epochs
+    assert len(seen.running) == 6 * epochs and all(r is started for r in seen.running[:19])
+    assert [os.path.basename(p) for p in hook.saved_paths] == (["timeline-10.json"] if started else [])
+
+
 @pytest.mark.parametrize("max_steps, started", [(30, True), (29, False)])
 def test_a_resumed_fit_starts_the_worker_from_its_restored_schedule(tmp_path, max_steps, started):
     """A fit resumed from step 25 of a `save_steps=10` schedule (its last timeline at 20) traces step 30: the

@@ -143,6 +143,7 @@ def test_a_step_of_more_nodes_than_kept_renders_alike_and_keeps_nothing(monkeypa
     assert outputs(first, StepShape(first, kept)) == outputs(first)
     assert last_kept(kept) == [None] * 4
     assert outputs(second, StepShape(second, kept)) == outputs(second)
+    assert kept.shape(second) is None  # (a fit's step too large to keep takes no shape: nothing is made to keep)
 
 
 def jax_steps(count):
