@@ -226,3 +226,36 @@ def test_names_moved_down_still_import_from_their_old_homes():
     assert session.check_fetches is arguments.check_fetches
     assert (views.format_memory, views.format_time, views.format_number) == (
         units.format_memory, units.format_time, units.format_number)
+
+
+def test_the_packages_public_names_import_where_first_used():
+    """`hookprof` and `hookprof.hooks` import a public name's module when it is first read (what their own
+    `if TYPE_CHECKING:` imports name): importing one module (the render worker's) imports no other hook, and every
+    name in `__all__` resolves to the object its module defines."""
+    import subprocess
+    import sys
+    import types
+
+    import pytest
+
+    probe = ("import sys, hookprof.hooks.capture; "
+             "print(sorted(m for m in sys.modules if m.startswith('hookprof.hooks.') and m.endswith('_hook')))")
+    loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert loaded.strip() == "[]", loaded
+    import hookprof
+    import hookprof.hooks
+
+    for package in (hookprof, hookprof.hooks):
+        assert set(package.__all__) <= set(dir(package))
+        for name in package.__all__:
+            value = getattr(package, name)
+            if isinstance(value, types.ModuleType):
+                assert value is sys.modules[f"hookprof.{name}"], name
+            else:
+                assert value is getattr(sys.modules[value.__module__], value.__name__), name
+    from hookprof import ProfilerHook
+    from hookprof.hooks.profiler_hook import ProfilerHook as defined
+
+    assert ProfilerHook is defined
+    with pytest.raises(AttributeError, match="no attribute 'NoSuchHook'"):
+        hookprof.hooks.NoSuchHook  # noqa: B018
