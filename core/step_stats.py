@@ -266,10 +266,10 @@ class StepShape:
 class ShapedParts:
     """The parts of one rendered step that its shape decided, for the next step of that shape: where steps
     are rendered (the render worker, or a training process without one), each renderer keeps its last step's
-    (one step's worth: ~1 KB a node, the three renderers' and the shape together; none of a step of more than
-    `KEEP_NODES_MAX` nodes), until the fit ends (`KeptParts`, one per fit). `parts(shape)` gives them
-    when the shapes match; `keep` replaces them (one reference: threads that render at once each see a whole pair,
-    or none)."""
+    (one step's worth: ~1 KB a node, the renderers' and the shape together, and about 0.5 KB an arrow for the
+    timeline's; none of a step of more than `KEEP_NODES_MAX` nodes, whose fit takes no shape of it), until the
+    fit ends (`KeptParts`, one per fit). `parts(shape)` gives them when the shapes match; `keep` replaces them
+    (one reference: threads that render at once each see a whole pair, or none)."""
 
     __slots__ = ("_last",)
     KEEP_NODES_MAX = 65536

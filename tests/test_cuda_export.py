@@ -17,6 +17,7 @@ from hookprof import RunOptions, TraceLevel
 from hookprof.step_stats import NodeExecStats, StepStats, TensorDescription
 from hookprof.tensorboard.graph import step_graph
 from hookprof.trace import ChromeTraceWriter, xplane
+from hookprof.trace import format as fmt
 from hookprof.trace.reader import load_trace
 from hookprof.tracing import xspace
 from hookprof.tracing.coordinator import PhasedExport, StepPhases
@@ -266,3 +267,22 @@ def test_a_memcpy_is_named_as_xprof_tells_its_direction_and_shown_as_kineto_name
                       xplane.IS_EAGER: 1, xplane.MEMCPY_DETAILS: "num_bytes:4096"}
     (step,) = gpu.lines[1].events  # no phases: the step on the device is its kernels' span
     assert (step.offset_ps, step.duration_ps) == (copy.offset_ps, copy.duration_ps) == (2_000_000, 1_000_000)
+
+
+def test_a_kernel_and_an_op_without_external_ids_are_not_joined():
+    """kineto links a kernel to the op that launched it by the op's External id: an op that has none is never a
+    kernel's launcher, however many such kernels there are."""
+    from hookprof.tracing.kineto_trace import _convert
+    from tests.test_step_identity import kineto_events
+
+    events = [{"ph": "X", "cat": "cpu_op", "name": "aten::relu", "ts": 0, "dur": 5, "tid": 1, "args": {}},
+              {"ph": "X", "cat": "cpu_op", "name": "aten::mul", "ts": 6, "dur": 5, "tid": 1,
+               "args": {"External id": 7}},
+              {"ph": "X", "cat": "kernel", "name": "relu_kernel", "ts": 2, "dur": 1, "tid": 7,
+               "args": {"device": 0, "stream": 7, "correlation": 3}},
+              {"ph": "X", "cat": "kernel", "name": "mul_kernel", "ts": 8, "dur": 1, "tid": 7,
+               "args": {"device": 0, "stream": 7, "correlation": 4, "External id": 7}}]
+    stats = StepStats()
+    _convert(kineto_events(events), 0, stats, True)
+    kernels = {n.op: n.args.get(fmt.ARG_LAUNCHED_BY) for n in stats.device("/device:CUDA:0").node_stats}
+    assert kernels == {"relu_kernel": None, "mul_kernel": "aten::mul"}

@@ -282,12 +282,18 @@ def test_a_borrowing_step_of_another_layout_finds_its_arrows_anew(tmp_dir, monke
     assert edges(before) == edges(stats)
 
 
+def kineto_events(events):
+    """Events written as the export's JSON objects, decoded as the conversion reads them."""
+    from hookprof.tracing.kineto_events import decode_trace
+
+    return decode_trace(orjson.dumps({"traceEvents": events})).traceEvents
+
+
 def test_a_step_whose_host_holds_more_than_its_ops_finds_its_arrows_anew():
     """Arrows are reused by their nodes' places: a host whose nodes are not its ops alone (a CUDA runtime call
     among them, which may trade places with an op from one step to the next, the order of starts and ends
     unchanged) never reuses the last step's, so each step's arrow joins the ops it joins when found anew."""
     from hookprof.step_stats import StepStats, TensorDescription
-    from hookprof.tracing.kineto_events import kineto_events
     from hookprof.tracing.kineto_trace import _convert
     from hookprof.tracing.step_identity import SIGNATURE, IdentityTemplate, Interned, borrow
 
@@ -309,7 +315,7 @@ def test_a_step_whose_host_holds_more_than_its_ops_finds_its_arrows_anew():
     # empty makes a 64-byte tensor, relu reads it
     template = IdentityTemplate([row[SIGNATURE] for row in rows],
                                 [[], [(0, ("made", 0, 0), TensorDescription("float32", (16,), 64))]],
-                                [frozenset(), frozenset()], {0: [64]})
+                                [frozenset(), frozenset()], {0: [(64, "/host:CPU")]})
     for relu_at, runtime_at in ((8, 6), (6, 8)):  # (the runtime call before relu, then after it)
         stats, rows, instants, by_id = step(relu_at, runtime_at)
         assert borrow(template, stats, rows, instants, 0, by_id, True, False) is None
@@ -318,10 +324,11 @@ def test_a_step_whose_host_holds_more_than_its_ops_finds_its_arrows_anew():
 
 def test_a_step_whose_backward_runs_on_a_thread_of_its_own_borrows_across_both():
     """On CUDA, autograd runs the backward on a thread of its own: a backward op there reads a tensor a forward op
-    made on the step's thread, and the arrow between them is borrowed like any other. A thread that is not the
-    step's (a DataLoader's pin-memory thread), whose ops vary in number from step to step, is not compared."""
+    made on the step's thread, and the arrow between them is borrowed like any other, the two threads' ops put
+    back in start order (an op of the step's thread that writes the tensor after the backward read it is not its
+    source). A thread that is not the step's (a DataLoader's pin-memory thread), whose ops vary in number from
+    step to step, is not compared."""
     from hookprof.step_stats import StepStats, TensorDescription
-    from hookprof.tracing.kineto_events import kineto_events
     from hookprof.tracing.kineto_trace import _convert
     from hookprof.tracing.step_identity import SIGNATURE, IdentityTemplate, Interned, _step_rows, borrow
 
@@ -335,6 +342,7 @@ def test_a_step_whose_backward_runs_on_a_thread_of_its_own_borrows_across_both()
             op("aten::threshold_backward", 21, 2, 2, 4),
             op("module::fc", 0, 10, 1, 1, cat="user_annotation"),
             op("aten::relu", 1, 3, 1, 2),
+            op("aten::mul_", 30, 1, 1, 5),
             *(op("aten::pin_memory", 12 + i, 1, 3, 10 + i) for i in range(pinned)),
             {"ph": "i", "name": "[memory]", "ts": 2, "tid": 1, "args": {"Bytes": 64, "Addr": 100, "Device Type": 0}},
         ]
@@ -345,15 +353,19 @@ def test_a_step_whose_backward_runs_on_a_thread_of_its_own_borrows_across_both()
     _, rows, _, _ = step(1)
     own = _step_rows(rows)
     assert [(row.tid, row.name) for row in own] == [
-        (1, "module::fc"), (1, "aten::relu"),
+        (1, "module::fc"), (1, "aten::relu"), (1, "aten::mul_"),
         (2, "autograd::engine::evaluate_function: ReluBackward0"), (2, "aten::threshold_backward")]
-    # relu (op 1, on the step's thread) makes a 64-byte tensor, the backward's threshold_backward (op 3) reads it
+    # relu (op 1, on the step's thread) makes a 64-byte tensor; the backward's threshold_backward (op 4) reads it
+    # as 4 x 4, then mul_ (op 2, the step's thread again) as 16 and writes it in place: the allocation holds what
+    # its earliest reader read
+    square, flat = TensorDescription("float32", (4, 4), 64), TensorDescription("float32", (16,), 64)
     template = IdentityTemplate([row[SIGNATURE] for row in own],
-                                [[], [], [], [(0, ("made", 1, 0), TensorDescription("float32", (16,), 64))]],
-                                [frozenset()] * 4, {1: [64]})
+                                [[], [], [(0, ("made", 1, 0), flat)], [], [(0, ("made", 1, 0), square)]],
+                                [frozenset(), frozenset(), frozenset({0}), frozenset(), frozenset()],
+                                {1: [(64, "/host:CPU")]})
     for pinned in (1, 2):
         stats, rows, instants, by_id = step(pinned)
         assert borrow(template, stats, rows, instants, 0, by_id, True, True) is None
-        assert [(e.producer.op, e.consumer.op, e.consumer.thread_id) for e in stats.edges] == [
-            ("aten::relu", "aten::threshold_backward", 2)]
-        assert [(a.producer.op, a.nbytes) for a in stats.allocations] == [("aten::relu", 64)]
+        assert sorted((e.producer.op, e.consumer.op, e.consumer.thread_id) for e in stats.edges) == [
+            ("aten::relu", "aten::mul_", 1), ("aten::relu", "aten::threshold_backward", 2)]
+        assert [(a.producer.op, a.nbytes, a.tensor) for a in stats.allocations] == [("aten::relu", 64, square)]

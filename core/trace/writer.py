@@ -170,7 +170,7 @@ class ChromeTraceWriter:
         """The trace events of `stats`: metadata first, then ops, flows and memory; times from `base` (ns,
         default the step's first event). Argument shapes and sizes are `orjson.Fragment`s (JSON serialised
         once per signature and shared): serialise the events with orjson. With the step's `shape`, the op
-        events come serialised (`_shaped_op_events`)."""
+        events and the dataflow arrows come serialised (`_shaped_op_events`, `_shaped_tensor_flows`)."""
         if base is None:
             base = stats.start_ns() or 0
         for pid, dev in enumerate(stats.dev_stats):

@@ -4,9 +4,13 @@ the records are never changed, and hold no cycles: the cyclic collector does not
 
 At 20k ops an export is about 10 MB in 28k events: parsing it into dicts cost 55 ms and freeing them 18 ms
 of the render worker's CPU a traced step; decoding it here 23 ms and 10 ms, and reading a field is an
-attribute access instead of a dict lookup. Field values keep the types the JSON gives (`Any`): a kineto that
-writes a field otherwise than expected costs nothing here, as with plain dicts. Torch-free: the render worker
-decodes.
+attribute access instead of a dict lookup. The args' values keep the types the JSON gives (`Any`): one that
+kineto writes otherwise than expected is read as with plain dicts; an event's own fields (`ph`, `name`, `ts`,
+`dur`, `args`) are typed, and an export whose events do not fit them fails its step's conversion (said in the
+step's render error, as any conversion failure). Torch-free: the render worker decodes.
+
+An event's argument lists are `msgspec.Raw`: views of the whole export's bytes, which they keep alive. Nothing
+of a decoded event may outlive its step's conversion (`decoded` gives copies).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ class KinetoArgs(msgspec.Struct, frozen=True, gc=False):
 
     # ops; their argument lists as the JSON's own bytes (`NONE` where missing): a step repeats a few, which the
     # conversion decodes once each, by those bytes (`decoded`), where building them for every op cost more
-    external_id: Any = msgspec.field(name="External id", default=-1)  # (-1: none, as no op has)
+    external_id: Any = msgspec.field(name="External id", default=None)
     dims: msgspec.Raw = msgspec.field(name="Input Dims", default=msgspec.Raw())
     types: msgspec.Raw = msgspec.field(name="Input type", default=msgspec.Raw())
     concrete: msgspec.Raw = msgspec.field(name="Concrete Inputs", default=msgspec.Raw())
@@ -83,8 +87,3 @@ def decoded(raw: msgspec.Raw, cache: dict[bytes, Any]) -> Any:
     if value is None:
         value = cache[key] = _decode(key)
     return value
-
-
-def kineto_events(events: list[dict[str, Any]]) -> list[KinetoEvent]:
-    """Events given as the JSON's dicts (tests write steps so) as the decoded records."""
-    return decode_trace(msgspec.json.encode({"traceEvents": events})).traceEvents

@@ -33,6 +33,7 @@ from hookprof.tracing.step_identity import (
     DATAFLOW_MISSING,
     MODULE_PREFIX,
     NOT_TENSORS,
+    OPTIMIZER_PREFIXES,
     TEMPLATES,
     Interned,
     Row,
@@ -44,7 +45,6 @@ from hookprof.tracing.torch_dataflow import EventTree
 from hookprof.tracing.tracer import HOST_DEVICE
 
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")  # CPython's repr of an object: `<... object at 0x7f3fd32cea40>`
-OPTIMIZER_PREFIXES = ("Optimizer.step#", "Optimizer.zero_grad#")
 
 # torch's C++ type names as the profiler reports them -> the dtype names this project writes.
 _TORCH_DTYPES = {
@@ -327,6 +327,8 @@ def _convert(events: list[KinetoEvent], base: int, stats: StepStats, want_ids: b
         nodes.append(node)
         if activity in _IDENTITY_ACTIVITIES:
             external_id = fields.external_id
+            if external_id is None:
+                external_id = 0  # (as no kernel's: theirs is -1 where missing)
             if rows_out is not None:
                 rows_out.append(new_row(Row, (node, external_id, tid, name,
                                               decoded(fields.dims, shapes_cache) if dims is _RAW else dims,
@@ -366,4 +368,4 @@ def _add_kernel(event: KinetoEvent, activity: str, base: int, stats: StepStats) 
         if value is not None:
             kernel.args[key] = value
     device.node_stats.append(kernel)
-    return fields.external_id, kernel
+    return -1 if fields.external_id is None else fields.external_id, kernel

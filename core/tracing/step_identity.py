@@ -5,7 +5,8 @@ tree, which is read as one Python object per event under the training process's 
 three times what torch's own profiler costs a step. A training loop repeats the same ops step after step,
 and with them the same pattern of reads and allocations, so the tree of one traced step is enough for the
 next ones:
-- a step whose tree was walked (today's path) also leaves an `IdentityTemplate`: its ops in start order,
+- a step whose tree was walked (today's path) also leaves an `IdentityTemplate`: its own threads' ops, thread
+  by thread, each thread's in start order (`_step_rows`),
   each with its signature (name, argument shapes and types, as kineto's export writes them), the tensors it read
   (each as the allocation that held it, named by the op that made the allocation and its rank among that
   op's allocations, or as data from before the step) and the arguments it writes;
@@ -59,7 +60,9 @@ DATAFLOW_MISSING = "dataflow_missing"  # the step's metadata: why it has no arro
 # the names of spans of hookprof's module calls and of autograd's backward functions, in kineto's export
 MODULE_PREFIX = "module::"
 BACKWARD_PREFIX = "autograd::engine::evaluate_function: "
-STEP_THREAD_PREFIXES = (MODULE_PREFIX, BACKWARD_PREFIX)  # what only the step's own threads run (`_step_rows`)
+OPTIMIZER_PREFIXES = ("Optimizer.step#", "Optimizer.zero_grad#")
+# what only the step's own threads run (`_step_rows`)
+STEP_THREAD_PREFIXES = (MODULE_PREFIX, BACKWARD_PREFIX, *OPTIMIZER_PREFIXES)
 
 SIGNATURE = slice(3, None)  # a Row's signature: (name, dims, types)
 
@@ -98,7 +101,7 @@ class IdentityTemplate:
     signatures: list[tuple]
     reads: list[list[tuple[int, Hashable, TensorDescription]]]  # per op: (argument position, key, tensor)
     written: list[frozenset[int]]
-    made: dict[int, list[int]]  # op position -> the bytes of each allocation it made, in time order
+    made: dict[int, list[tuple[int, str]]]  # op position -> (bytes, device) of each allocation it made, in time order
     interned: Interned = dataclasses.field(default_factory=Interned)  # its step's argument lists
     # what the fit's last borrowing step found, for its next one of the same layout
     last: BorrowedStep | None = dataclasses.field(default=None, compare=False, repr=False)
@@ -107,8 +110,8 @@ class IdentityTemplate:
     def held(self) -> dict[Hashable, TensorDescription]:
         """What each allocation the step made held, by its key (`EventTree.held`): the same in every step that
         matches, whose allocations have these sizes."""
-        return held_tensors(self.reads, {("made", at, rank): nbytes for at, sizes in self.made.items()
-                                         for rank, nbytes in enumerate(sizes)})
+        return held_tensors(self.reads, {("made", at, rank): nbytes for at, made in self.made.items()
+                                         for rank, (nbytes, _) in enumerate(made)})
 
     @functools.cached_property
     def fixed(self) -> list[bool]:
@@ -118,13 +121,14 @@ class IdentityTemplate:
 
 def _step_rows(rows: list[Row]) -> list[Row]:
     """The rows of the step's own threads, thread by thread (in the order each first ran an op), each thread's in
-    start order: the thread with the most ops (the step's own: its backward runs there on CPU) and those that run
-    its module calls or its backward (on CUDA, autograd runs the backward on a thread of its own). Others (a
-    DataLoader's pin-memory thread, say) run ops whose number and times vary from step to step."""
+    start order: the thread of the step's first op and the thread with the most ops (the training's: its
+    backward runs there on CPU), and those that run its module calls, its optimizer or its backward (on CUDA,
+    autograd runs the backward on a thread of its own). Others (a DataLoader's pin-memory thread, say) run ops
+    whose number and times vary from step to step."""
     counts = collections.Counter(row.tid for row in rows)
     if len(counts) <= 1:
         return rows
-    own = {counts.most_common(1)[0][0]}
+    own = {rows[0].tid, counts.most_common(1)[0][0]}
     own.update(row.tid for row in rows if row.name.startswith(STEP_THREAD_PREFIXES))
     by_thread: dict[int, list[Row]] = {}
     for row in rows:
@@ -133,18 +137,30 @@ def _step_rows(rows: list[Row]) -> list[Row]:
     return [row for thread in by_thread.values() for row in thread]
 
 
+def _devices(allocations: list[Allocation]) -> dict[int, str]:
+    """The device of each allocation (not free) among `allocations`, by its id."""
+    return {a.allocation_id: a.device for a in allocations if a.nbytes > 0}
+
+
+def _bytes_on(made: list[tuple[int, str]]) -> str:
+    """Allocations as a mismatch's reason says them: `[512, 512] bytes on /device:CUDA:0`."""
+    devices = sorted({device for _, device in made})
+    return f"{[nbytes for nbytes, _ in made]} bytes" + (f" on {', '.join(devices)}" if devices else "")
+
+
 def build_template(tree: EventTree, rows: list[Row], interned: Interned | None = None) -> IdentityTemplate:
     """The template of a step whose event tree was walked, with its export's `rows` (see `Row`) and the
     argument lists they share (`Interned`)."""
     rows = _step_rows(rows)
     position = {row.external_id: i for i, row in enumerate(rows)}
-    made: dict[int, list[int]] = {}
+    made: dict[int, list[tuple[int, str]]] = {}
     keys: dict[int, Hashable] = {}  # allocation id -> ("made", op position, rank)
+    devices = _devices(tree.allocations)
     for allocation_id, block in tree.blocks.items():  # (in time order)
         at = -1 if block.op is None else position.get(block.op, -2)
-        sizes = made.setdefault(at, [])
-        keys[allocation_id] = ("made", at, len(sizes))
-        sizes.append(block.nbytes)
+        by_op = made.setdefault(at, [])
+        keys[allocation_id] = ("made", at, len(by_op))
+        by_op.append((block.nbytes, devices[allocation_id]))
     reads: list[list] = [[] for _ in rows]
     written: list[frozenset[int]] = [frozenset()] * len(rows)
     for op_id, op_reads, op_written in tree.ops:
@@ -267,12 +283,14 @@ def apply_template(template: IdentityTemplate, main: list[Row], rows: list[Row],
     for allocation_id, block in blocks.items():
         at = -1 if block.op is None else index.get(block.op, -2)
         made.setdefault(at, []).append(allocation_id)
-    for at, sizes in template.made.items():
-        mine = [blocks[a].nbytes for a in made.get(at, ())]
-        if mine != sizes:
+    devices = _devices(allocations)
+    # (bytes and device: the ops of two threads alike, a replica's each, could trade places from step to step)
+    for at, theirs in template.made.items():
+        mine = [(blocks[a].nbytes, devices[a]) for a in made.get(at, ())]
+        if mine != theirs:
             where = {-1: "outside any op", -2: "in ops of other threads"}.get(at) or f"in op {at} ({main[at].name})"
-            return None, (f"its allocations {where} ({mine} bytes) differ from those of the step its tensor "
-                          f"identities were taken from ({sizes})")
+            return None, (f"its allocations {where} ({_bytes_on(mine)}) differ from those of the step its tensor "
+                          f"identities were taken from ({_bytes_on(theirs)})")
     ops = []
     for row, reads, written, fixed in zip(main, template.reads, template.written, template.fixed):
         if fixed:  # (shared with the template: nothing changes reads)
@@ -391,7 +409,8 @@ def borrow(template: IdentityTemplate, stats: StepStats, rows: list[Row], instan
     layout = None
     # (by place: the host's nodes must be its rows alone, or a node that is none, a CUDA runtime call say, could
     # trade places with an op from one step to the next and leave the order of starts and ends as it was)
-    if len(stats.dev_stats) == 1 and len(main) == len(rows) == len(host.node_stats) and rows:
+    if len(stats.dev_stats) == 1 and len(main) == len(rows) == len(host.node_stats) and rows \
+            and main[0].tid == main[-1].tid:  # (one thread: `_step_rows` groups them)
         layout = _layout(host.node_stats, allocations, threads, rows[0].tid)
     last = template.last
     if layout is not None and last is not None and last.recorded == (dataflow, memory) and last.layout == layout:
