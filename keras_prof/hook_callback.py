@@ -66,6 +66,7 @@ class KerasSession(Session):
         if epoch_steps and epochs:
             self.final_step = self._first_step + epochs * epoch_steps
         self.steps_done = 0
+        self._cut: int | None = None  # the batches the running call ran, where it found the data exhausted
         # Keras (JAX, TensorFlow) runs `steps_per_execution` batches per train-function call, with one batch
         # callback for them: the global step (the optimizer's) then advances by that much per hookprof step
         per_call = getattr(model, "steps_per_execution", 1)
@@ -96,8 +97,12 @@ class KerasSession(Session):
         """A train-function call ran batches `first_batch` .. `last_batch` of an epoch of `epoch_steps` (Keras
         3.8+ names both, the last as if the call were full: an epoch's last call may run fewer, so it is cut at
         the epoch's end; older Keras names the first twice: then it ran `steps_per_run`). The optimizer's count
-        is not read: on JAX it lives outside the model during the fit."""
-        if first_batch is not None and last_batch > first_batch:
+        is not read: on JAX it lives outside the model during the fit. A call that found its epoch's data
+        exhausted (a generator's, whose length Keras does not know) ran the batches it fetched (`call_cut`)."""
+        cut, self._cut = self._cut, None
+        if cut is not None:
+            ran = cut
+        elif first_batch is not None and last_batch > first_batch:
             epoch_steps = self.epoch_steps
             if epoch_steps:
                 last_batch = min(last_batch, epoch_steps - 1)
@@ -105,6 +110,10 @@ class KerasSession(Session):
         else:
             ran = self.steps_per_run
         self.steps_done += ran
+
+    def call_cut(self, ran: int) -> None:
+        """The running train-function call found its epoch's data exhausted after `ran` batches."""
+        self._cut = ran
 
 
 class _TrainStepWatch:
@@ -130,10 +139,12 @@ class _TrainStepWatch:
             if driver is not None:
                 # (a call whose first batch no trace waits for, and whose later batches, if any, no trace or trigger
                 # times, fetches its batches itself, unwrapped)
-                timed = driver.trace_pending or (driver.watched and fit.session.steps_per_run > 1)
-                if (fit.fetches_in_step and timed and len(args) == 2
+                # (a call of several batches is counted: its epoch's data may run out inside it)
+                several = fit.session.steps_per_run > 1
+                timed = driver.trace_pending or (driver.watched and several)
+                if (fit.fetches_in_step and (timed or several) and len(args) == 2
                         and not kwargs and isinstance(args[1], collections.abc.Iterator)):  # (Keras < 3.7: a list)
-                    args = (args[0], WaitedBatches(args[1], driver, fit.session.steps_per_run))
+                    args = (args[0], WaitedBatches(args[1], driver if timed else None, fit.session))
                 driver.start_trace()  # (the tracer runs only inside the step: see HookedSession)
             return self.function(*args, **kwargs)
         except StopIteration:  # the data ran out (Keras ends the epoch, and the fit goes on): no step ran
@@ -153,15 +164,18 @@ class WaitedBatches:
     `steps_per_execution` > 1 the call fetches its later batches between its jitted steps, with no callback in
     between: each of those fetches is a data wait of the running step, and the batch after it a micro-batch (its
     forward pass and what follows, as Lightning's accumulated batches), marked where a trace runs or triggers
-    watch (free otherwise)."""
+    watch (`driver`; None: not timed). A call of several batches is counted: where the data runs out inside it
+    (a generator's), the session learns how many it ran (`KerasSession.call_cut`)."""
 
-    __slots__ = ("_iterator", "_driver", "_first", "_fetched")
+    __slots__ = ("_iterator", "_driver", "_session", "_first", "_fetched")
 
-    def __init__(self, iterator: Any, driver: HookedSession, per_call: int) -> None:
+    def __init__(self, iterator: Any, driver: HookedSession | None, session: KerasSession) -> None:
         self._iterator = iterator
-        self._driver = driver if per_call > 1 else None
+        several = session.steps_per_run > 1
+        self._driver = driver if several else None
+        self._session = session if several else None
         self._fetched = 0
-        self._first = next(iterator) if driver.trace_pending else _NOT_FETCHED
+        self._first = next(iterator) if driver is not None and driver.trace_pending else _NOT_FETCHED
 
     def __iter__(self) -> WaitedBatches:
         return self
@@ -172,11 +186,18 @@ class WaitedBatches:
             first, self._first = self._first, _NOT_FETCHED
             return next(self._iterator) if first is _NOT_FETCHED else first
         driver = self._driver
-        if driver is None:
-            return next(self._iterator)
-        driver.mark(DATA_WAIT)
-        batch = next(self._iterator)
-        driver.micro_batch()
+        if driver is not None:
+            driver.mark(DATA_WAIT)
+        try:
+            batch = next(self._iterator)
+        except StopIteration:  # (the epoch's data ran out: the call ends here, with the batches it fetched)
+            if driver is not None:
+                driver.unmark(DATA_WAIT)
+            if self._session is not None:
+                self._session.call_cut(self._fetched - 1)
+            raise
+        if driver is not None:
+            driver.micro_batch()
         return batch
 
 

@@ -206,6 +206,16 @@ def configs(out: str) -> None:
                          "profile": {step: [summary.data_wait_micros, summary.step_micros]
                                      for (_, step), summary in grouped_profiler.data.steps.items()}}
 
+    # the same with an epoch of 10 batches: its last call runs 2 and finds the generator empty at its third fetch
+    uneven = tiny_model("uneven")
+    uneven.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", steps_per_execution=4)
+    ends, counted = ProfilerHook(save_steps=3, output_dir=os.path.join(out, "uneven"), tensorboard=False), EndProbe()
+    x10, y10 = data(8 * 10)
+    uneven.fit(slow_batches(x10, y10, seconds=0.01), epochs=1, callbacks=[ends, HookCallback([counted])], verbose=0)
+    result["uneven"] = {"paths": [os.path.basename(p) for p in ends.saved_paths],
+                        "spans": [phase_spans(p) for p in ends.saved_paths], "steps": counted.steps,
+                        "iterations": int(uneven.optimizer.iterations.numpy())}
+
     # jit_compile=False: one warning saying why the ops have no scopes
     eager = tiny_model("eager")
     eager.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", jit_compile=False)

@@ -231,6 +231,17 @@ def test_steps_per_execution_waits_for_each_batch_in_a_data_wait_of_its_own(jax_
         assert wait >= 4 * 35_000 and step_us < 35_000, grouped["profile"]
 
 
+def test_a_call_cut_short_by_its_epochs_end_counts_the_batches_it_ran(jax_configs):
+    """steps_per_execution=4 over a generator of 10 batches: the last call runs 2 and finds the generator empty
+    at its third fetch. The step clock counts 2 (it counted the call as full: 12, against the optimizer's 10),
+    the call's timeline is named for step 10, and the fetch that found nothing leaves no data wait at its end."""
+    uneven = jax_configs[0]["uneven"]
+    assert uneven["steps"] == [4, 8, 10] and uneven["iterations"] == 10
+    assert uneven["paths"] == ["timeline-8.json", "timeline-10.json"]
+    names = [name for name, _, _ in uneven["spans"][-1]]
+    assert names[-3:] == ["forward", "backward", "optimizer"] and names.count("data_wait") == 2, names
+
+
 def test_a_generator_running_out_ends_the_epoch_and_the_hooks_end(jax_configs):
     """The step that finds the generator empty raises StopIteration inside the train function: Keras ends the epoch
     there, and the fit goes on to its end; the hooks' `end()` ran (it did not: the fit was closed as failed)."""

@@ -207,6 +207,10 @@ class HookedSession:
         """The running step entered `phase` now (the framework's event: "backward", "optimizer", ...)."""
         self._traces.mark(phase)
 
+    def unmark(self, phase: str) -> None:
+        """The running step's last `mark`, `phase`, did not happen after all (a data wait that got no batch)."""
+        self._traces.unmark(phase)
+
     def micro_batch(self) -> None:
         """Another micro-batch of the running step begins (gradient accumulation)."""
         self._traces.micro_batch()

@@ -190,6 +190,14 @@ class StepTraceCoordinator:
         if record is not None:
             _mark_once(record.marks, phase)
 
+    def unmark(self, phase: str) -> None:
+        """The running step's last mark, `phase`, did not happen after all (a data wait that found the epoch's
+        data exhausted: no batch came, and the step ends)."""
+        for marks in (self._current.marks if self._current is not None and self._current.metadata is None else None,
+                      self._record.marks if self._record is not None else None):
+            if marks and marks[-1][0] == phase:
+                marks.pop()
+
     def micro_batch(self) -> None:
         """Another micro-batch of the running step begins now (gradient accumulation: one optimizer step over
         several batches): its forward, backward, ... are marked again, after the previous one's."""
