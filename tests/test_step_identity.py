@@ -369,3 +369,36 @@ def test_a_step_whose_backward_runs_on_a_thread_of_its_own_borrows_across_both()
         assert sorted((e.producer.op, e.consumer.op, e.consumer.thread_id) for e in stats.edges) == [
             ("aten::relu", "aten::mul_", 1), ("aten::relu", "aten::threshold_backward", 2)]
         assert [(a.producer.op, a.nbytes, a.tensor) for a in stats.allocations] == [("aten::relu", 64, square)]
+
+
+def arrows(path):
+    """A timeline's dataflow arrows, as (tensor name, producer node, consumer node), and its step's metadata."""
+    trace = load_trace(path)
+    return ({(e["name"], e["args"][fmt.ARG_PRODUCER], e["args"][fmt.ARG_CONSUMER]) for e in trace["traceEvents"]
+             if e["ph"] == "s" and e.get("cat") == fmt.CAT_DATAFLOW}, trace["metadata"])
+
+
+@pytest.mark.parametrize("config", ["accumulation", "two optimizers"])
+def test_the_borrowing_steps_of_an_accumulating_or_two_optimizer_fit_draw_its_walked_steps_arrows(tmp_dir, config,
+                                                                                                    monkeypatch):
+    """Every step traced with the defaults in fits whose step is two micro-batches (accumulation) or two
+    optimizers' backward and updates (manual optimization): the fit's first traced step walks its event tree,
+    each later one borrows its tensor identities and draws the very arrows the walked step drew. (A step that
+    starts an epoch runs other ops, so has none and says why: the fits here stay in their first epoch.)"""
+    from hookprof.tracing import kineto_trace
+    from tests.test_step_clock import TwoOptimizers
+
+    borrowed_steps = []  # (converted here: no render worker)
+    borrow = kineto_trace.borrow
+    monkeypatch.setattr(kineto_trace, "borrow", lambda *args: borrowed_steps.append(1) or borrow(*args))
+    hook = ProfilerHook(save_steps=1, output_dir=tmp_dir, tensorboard=False,
+                        capture=CaptureOptions(render_worker=False))
+    if config == "accumulation":  # (20 batches: 10 steps an epoch)
+        trainer(tmp_dir, [hook], 7, logger=False, accumulate_grad_batches=2).fit(TinyModel(), loader(n=160))
+    else:  # (8 batches: 16 steps an epoch)
+        trainer(tmp_dir, [hook], 14, logger=False).fit(TwoOptimizers(), loader())
+    drawn = [arrows(path) for path in hook.saved_paths]
+    assert len(drawn) >= 6 and not any(DATAFLOW_MISSING in metadata for _, metadata in drawn)
+    walked, *borrowed = (frozenset(found) for found, _ in drawn)
+    assert len(borrowed_steps) == len(borrowed)
+    assert len(walked) > 10 and all(found == walked for found in borrowed), [len(found) for found, _ in drawn]
