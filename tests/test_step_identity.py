@@ -127,21 +127,23 @@ class FitIdentities(L.Callback):
 @pytest.mark.parametrize("profiler", [False, True], ids=["worker", "worker-and-in-process"])
 def test_a_step_whose_ops_differ_is_counted_once_however_many_hooks_convert_it(tmp_dir, profiler):
     """Two ProfilerHooks write every traced step (each converts it: in the render worker, or, with a Profiler,
-    in the training process): the short batch's step is counted once toward giving borrowing up, not once a
+    in the training process): two short batches in a row count once toward giving borrowing up, not once a
     conversion (two counts a step turned borrowing off after two such steps instead of GIVE_UP)."""
     from hookprof.profiler import Profiler
 
     g = torch.Generator().manual_seed(0)
-    data = TensorDataset(torch.randn(36, 8, generator=g), torch.randn(36, 1, generator=g))
-    batches = [list(range(i, i + 8)) for i in range(0, 24, 8)] + [[24, 25, 26, 27]] + [list(range(28, 36))]
+    data = TensorDataset(torch.randn(40, 8, generator=g), torch.randn(40, 1, generator=g))
+    batches = [list(range(i, i + 8)) for i in range(0, 24, 8)] + [[24, 25, 26, 27], [28, 29, 30, 31]] + \
+        [list(range(32, 40))]
     hooks = [ProfilerHook(save_steps=1, output_dir=f"{tmp_dir}/a", show_memory=True, name="a"),
              ProfilerHook(save_steps=1, output_dir=f"{tmp_dir}/b", show_memory=True, name="b",
                           profiler=Profiler() if profiler else None)]
     probe = FitIdentities()
     trainer(tmp_dir, [*hooks, probe], len(batches)).fit(TinyModel(), DataLoader(data, batch_sampler=batches))
-    for hook in hooks:  # both wrote the short batch's step, without arrows, and said why
-        trace = load_trace(next(p for p in hook.saved_paths if p.endswith("-4.json")))
-        assert "differs from the step" in trace["metadata"][DATAFLOW_MISSING]
+    for hook in hooks:  # both wrote the short batches' steps, without arrows, and said why
+        for step in (4, 5):
+            trace = load_trace(next(p for p in hook.saved_paths if p.endswith(f"-{step}.json")))
+            assert "differs from the step" in trace["metadata"][DATAFLOW_MISSING]
     assert probe.identities.mismatches == 1
 
 
@@ -155,10 +157,15 @@ def test_a_step_to_borrow_from_that_was_converted_elsewhere_does_not_count_towar
     for _ in range(_Identities.GIVE_UP + 1):
         identities.record()
         assert identities.mode() == BORROW
-        identities.mismatch(NO_TEMPLATE)
+        identities.mismatch(identities.next_borrow(), NO_TEMPLATE)
         assert identities.mode() == RECORD
-    for _ in range(_Identities.GIVE_UP):
-        identities.mismatch("op 7 differs")
+    for _ in range(_Identities.GIVE_UP):  # (two borrowing steps in a row whose ops differed: a walk again)
+        identities.record()
+        _, second, third = identities.next_borrow(), identities.next_borrow(), identities.next_borrow()
+        identities.mismatch(second, "op 7 differs")
+        assert identities.mode() == BORROW  # (one step alone: an epoch's last, say)
+        identities.mismatch(third, "op 7 differs")
+        assert identities.mode() in (RECORD, None)
     assert identities.mode() is None
 
 
@@ -402,3 +409,18 @@ def test_the_borrowing_steps_of_an_accumulating_or_two_optimizer_fit_draw_its_wa
     walked, *borrowed = (frozenset(found) for found, _ in drawn)
     assert len(borrowed_steps) == len(borrowed)
     assert len(walked) > 10 and all(found == walked for found in borrowed), [len(found) for found, _ in drawn]
+
+
+def test_an_epochs_last_step_alone_does_not_make_the_next_ones_walk_again(tmp_dir):
+    """Each epoch's last step logs its epoch's metrics (ops no other step runs): it has no arrows and says why,
+    and the steps after it borrow the fit's identities again, with arrows: over three epochs the fit walks its
+    event tree once (it walked again after each epoch's end, and gave borrowing up after the third)."""
+    hook = ProfilerHook(save_steps=1, output_dir=tmp_dir, tensorboard=False)
+    probe = FitIdentities()
+    trainer(tmp_dir, [hook, probe], 24, logger=False).fit(TinyModel(), loader())  # (8 batches an epoch)
+    missing = {int(path.rsplit("-", 1)[1].split(".")[0]): DATAFLOW_MISSING in arrows(path)[1]
+               for path in hook.saved_paths}
+    assert sorted(step for step, absent in missing.items() if absent) == [9, 17]  # (each epoch's last)
+    assert len(missing) == 23 and all(len(arrows(path)[0]) > 20 for path in hook.saved_paths
+                                      if not missing[int(path.rsplit("-", 1)[1].split(".")[0])])
+    assert probe.identities.mismatches == 0 and probe.identities.mode() == BORROW

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import itertools
 import logging
 import os
 import threading
 import uuid
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -144,8 +145,10 @@ def _quiet_kineto() -> Iterator[None]:
 class _Identities:
     """A fit's tensor identities (`hookprof.tracing.step_identity`): the first traced step that records tensors
     walks torch's event tree and leaves its identities for the next ones, which record only kineto's export and
-    borrow them; a step whose ops differ gets no arrows, and the next traced step walks the tree again. After
-    `GIVE_UP` such steps (a model whose ops change from step to step) every step walks its own tree."""
+    borrow them. A step whose ops differ gets no arrows; one such step alone (an epoch's last, which logs its
+    epoch's metrics) changes nothing for the next ones, while the first borrowing step after a walk, or two in
+    a row, make the next traced step walk the tree again. After `GIVE_UP` such walks (a model whose ops change
+    from step to step) every step walks its own tree."""
 
     GIVE_UP = 3
 
@@ -155,6 +158,8 @@ class _Identities:
         on_fit_end(("tensor identities", self.token), release_fit, self.token)
         self.recorded = False  # a step's identities were exported for the next ones
         self.mismatches = 0
+        self.borrows = 0  # the borrowing steps started since the fit's last walk, each one's number
+        self._last_mismatch = -2  # the number of the last borrowing step whose ops differed
         self._lock = threading.Lock()  # (mismatches are told from the render thread)
 
     def mode(self) -> str | None:
@@ -163,17 +168,30 @@ class _Identities:
                 return None
             return BORROW if self.recorded else RECORD
 
+    def next_borrow(self) -> int:
+        """The number of a borrowing step starting now."""
+        with self._lock:
+            self.borrows += 1
+            return self.borrows
+
     def record(self) -> None:
         """A step's identities were exported: the next traced steps borrow them."""
         with self._lock:
-            self.recorded = True
+            self.recorded, self.borrows, self._last_mismatch = True, 0, -2
 
-    def mismatch(self, reason: str) -> None:
-        """A step could not borrow (`reason`): the next traced step walks its tree again. Only ops that differed
-        count toward `GIVE_UP`; a step to borrow from converted elsewhere (a restarted worker) does not."""
+    def mismatch(self, number: int, reason: str) -> None:
+        """Borrowing step `number` could not borrow (`reason`). Where it is the first since the walk (the walked
+        step may be the odd one: Lightning's first batch, an optimizer making its state) or the borrowing step
+        before it could not either, the next traced step walks its tree again, counted toward `GIVE_UP`; where
+        the step to borrow from was converted elsewhere (a restarted worker), it walks again at once, not
+        counted."""
         with self._lock:
-            self.recorded = False
-            self.mismatches += reason != NO_TEMPLATE
+            if reason == NO_TEMPLATE:
+                self.recorded = False
+            elif number == 1 or number == self._last_mismatch + 1:
+                self.recorded = False
+                self.mismatches += 1
+            self._last_mismatch = number
 
 
 class TorchTracer(Tracer):
@@ -193,6 +211,7 @@ class TorchTracer(Tracer):
         self._options = RunOptions()
         self._identities: _Identities | None = None
         self._identity: tuple[str, str] | None = None
+        self._borrow = 0  # (the running step's number among its fit's borrowing steps: `_Identities.next_borrow`)
         self._fit_state: dict[str, Any] = {}  # (see `bind_fit`)
 
     def bind_fit(self, state: dict[str, Any]) -> None:
@@ -227,6 +246,7 @@ class TorchTracer(Tracer):
         identities = self._identities if options.records_tensors and not options.with_stack else None
         mode = identities.mode() if identities is not None else None
         self._identity = None if mode is None else (mode, identities.token)
+        self._borrow = identities.next_borrow() if mode == BORROW else 0
         cheap = not options.records_tensors or mode == BORROW
         export_only = export_only_config() if cheap and not (options.with_stack or use_cuda) else None
         prof = autograd_profiler.profile(
@@ -278,7 +298,8 @@ class TorchTracer(Tracer):
 
     def stop_recording(self) -> _Recording:
         """Stop torch's profiler now; the conversion of its events (the costly part) is left to the caller."""
-        return _Recording(self._close(), self._options, self._identity, self._identities)
+        mismatch = functools.partial(self._identities.mismatch, self._borrow) if self._borrow else None
+        return _Recording(self._close(), self._options, self._identity, self._identities, mismatch)
 
 
 class _Recording:
@@ -287,11 +308,12 @@ class _Recording:
     them here. Safe to call from several threads: the export is made once, under a lock."""
 
     def __init__(self, results: Any, options: RunOptions, identity: tuple[str, str] | None = None,
-                 identities: _Identities | None = None) -> None:
+                 identities: _Identities | None = None, mismatch: Callable[[str], None] | None = None) -> None:
         self._results = results
         self._options = options
         self._identity = identity
         self._identities = identities
+        self._mismatch = mismatch  # (a borrowing step's: tells its fit's identities, with its number)
         self._exported: KinetoExport | None = None
         self._lock = threading.Lock()
 
@@ -322,7 +344,7 @@ class _Recording:
             if identity is not None and identity[0] == RECORD and tree is None:
                 identity = None  # (this torch has no tree to record)
             exported = KinetoExport(path, results.trace_start_ns(), options, str(torch.__version__), tree, identity,
-                                    identities.mismatch if identity is not None and identity[0] == BORROW else None)
+                                    self._mismatch if identity is not None and identity[0] == BORROW else None)
             if identity is not None and identity[0] == RECORD:
                 identities.record()
             weakref.finalize(exported, _remove_own, path, os.getpid())
