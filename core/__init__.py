@@ -53,8 +53,19 @@ if TYPE_CHECKING:  # (type checkers read the names here; at run time each is imp
     from hookprof.profiler import ProfileOptionBuilder, Profiler
     from hookprof.step_stats import DeviceStepStats, NodeExecStats, StepStats, TensorDescription
     from hookprof.trace import ChromeTraceWriter
-
-__getattr__, __dir__ = lazy_names(globals())
+else:
+    __getattr__, __dir__ = lazy_names(globals(), {
+        "hookprof": ("summary",),
+        "hookprof.hooks": ("CaptureOptions", "CheckpointSaverHook", "CheckpointSaverListener", "FeedFnHook",
+            "FinalOpsHook", "GlobalStepWaiterHook", "HookedSession", "LoggingTensorHook", "ManualSession",
+            "NanLossDuringTrainingError", "NanTensorHook", "NeverTriggerTimer", "ProfilerHook", "RunMetadata",
+            "RunOptions", "SecondOrStepTimer", "Session", "SessionRunArgs", "SessionRunContext", "SessionRunHook",
+            "SessionRunValues", "StepCounterHook", "StepState", "StopAtStepHook", "SummarySaverHook", "TraceLevel",
+            "latest_checkpoint", "list_variables", "load_variable", "step_feeds"),
+        "hookprof.profiler": ("ProfileOptionBuilder", "Profiler"),
+        "hookprof.step_stats": ("DeviceStepStats", "NodeExecStats", "StepStats", "TensorDescription"),
+        "hookprof.trace": ("ChromeTraceWriter",),
+    })
 
 __version__ = "0.1.0"  # said once: pyproject.toml reads it from here (`dynamic`)
 

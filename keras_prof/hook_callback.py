@@ -111,8 +111,9 @@ class KerasSession(Session):
             ran = self.steps_per_run
         self.steps_done += ran
 
-    def call_cut(self, ran: int) -> None:
-        """The running train-function call found its epoch's data exhausted after `ran` batches."""
+    def call_cut(self, ran: int | None) -> None:
+        """The running train-function call found its epoch's data exhausted after `ran` batches (None: no call
+        runs, none is cut)."""
         self._cut = ran
 
 
@@ -150,6 +151,8 @@ class _TrainStepWatch:
         except StopIteration:  # the data ran out (Keras ends the epoch, and the fit goes on): no step ran
             if fit.driver is not None:
                 fit.driver.abort_step()
+            if fit.session is not None:
+                fit.session.call_cut(None)
             raise
         except BaseException:
             fit.close()

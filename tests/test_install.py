@@ -269,6 +269,7 @@ lightning_prof.ProfilerHook(save_step=10)  # error: call-arg
 CaptureOptions(render_worker="no")  # error: arg-type
 paths: int = ProfilerHook(save_steps=1).saved_paths  # error: assignment
 Profiler().profile_python({"max_depth": 3}).total["micros"].upper()  # error: attr-defined
+from hookprof import ProfilerHok  # error: attr-defined
 """
 
 

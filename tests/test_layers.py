@@ -229,9 +229,10 @@ def test_names_moved_down_still_import_from_their_old_homes():
 
 
 def test_the_packages_public_names_import_where_first_used():
-    """`hookprof` and `hookprof.hooks` import a public name's module when it is first read (what their own
-    `if TYPE_CHECKING:` imports name): importing one module (the render worker's) imports no other hook, and every
-    name in `__all__` resolves to the object its module defines."""
+    """`hookprof` and `hookprof.hooks` import a public name's module when it is first read: importing one module
+    (the render worker's) imports no other hook; every name in `__all__` resolves to the object its module
+    defines; the table each package gives `lazy_names` names what its `if TYPE_CHECKING:` imports do (what type
+    checkers read); a subpackage is an attribute once read, as the eager package made it."""
     import subprocess
     import sys
     import types
@@ -242,10 +243,21 @@ def test_the_packages_public_names_import_where_first_used():
              "print(sorted(m for m in sys.modules if m.startswith('hookprof.hooks.') and m.endswith('_hook')))")
     loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
     assert loaded.strip() == "[]", loaded
+    probe = "import hookprof; print(hookprof.tracing.HostTracer.__module__, hookprof.hooks.session.__name__)"
+    loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert loaded.split() == ["hookprof.tracing.host", "hookprof.hooks.session"], loaded
     import hookprof
     import hookprof.hooks
 
     for package in (hookprof, hookprof.hooks):
+        tree = ast.parse(Path(package.__file__).read_text())
+        checked = {(node.module, alias.name) for block in tree.body
+                   if isinstance(block, ast.If) and getattr(block.test, "id", None) == "TYPE_CHECKING"
+                   for node in block.body if isinstance(node, ast.ImportFrom) for alias in node.names}
+        table = next(node for block in tree.body if isinstance(block, ast.If) for node in ast.walk(block)
+                     if isinstance(node, ast.Dict))
+        given = {(key.value, name.value) for key, names in zip(table.keys, table.values) for name in names.elts}
+        assert given == checked and {name for _, name in given} == set(package.__all__), package.__name__
         assert set(package.__all__) <= set(dir(package))
         for name in package.__all__:
             value = getattr(package, name)

@@ -127,23 +127,23 @@ class FitIdentities(L.Callback):
 @pytest.mark.parametrize("profiler", [False, True], ids=["worker", "worker-and-in-process"])
 def test_a_step_whose_ops_differ_is_counted_once_however_many_hooks_convert_it(tmp_dir, profiler):
     """Two ProfilerHooks write every traced step (each converts it: in the render worker, or, with a Profiler,
-    in the training process): two short batches in a row count once toward giving borrowing up, not once a
-    conversion (two counts a step turned borrowing off after two such steps instead of GIVE_UP)."""
+    in the training process): the short batch's step, the first to borrow from the walked one, counts once
+    toward giving borrowing up, not once a conversion (two counts a step turned borrowing off after two such
+    steps instead of GIVE_UP)."""
     from hookprof.profiler import Profiler
 
     g = torch.Generator().manual_seed(0)
-    data = TensorDataset(torch.randn(40, 8, generator=g), torch.randn(40, 1, generator=g))
-    batches = [list(range(i, i + 8)) for i in range(0, 24, 8)] + [[24, 25, 26, 27], [28, 29, 30, 31]] + \
-        [list(range(32, 40))]
+    data = TensorDataset(torch.randn(36, 8, generator=g), torch.randn(36, 1, generator=g))
+    # (step 1 only starts the count, step 2 walks its tree, step 3 is the short batch)
+    batches = [list(range(0, 8)), list(range(8, 16)), [16, 17, 18, 19]] + [list(range(i, i + 8)) for i in (20, 28)]
     hooks = [ProfilerHook(save_steps=1, output_dir=f"{tmp_dir}/a", show_memory=True, name="a"),
              ProfilerHook(save_steps=1, output_dir=f"{tmp_dir}/b", show_memory=True, name="b",
                           profiler=Profiler() if profiler else None)]
     probe = FitIdentities()
     trainer(tmp_dir, [*hooks, probe], len(batches)).fit(TinyModel(), DataLoader(data, batch_sampler=batches))
-    for hook in hooks:  # both wrote the short batches' steps, without arrows, and said why
-        for step in (4, 5):
-            trace = load_trace(next(p for p in hook.saved_paths if p.endswith(f"-{step}.json")))
-            assert "differs from the step" in trace["metadata"][DATAFLOW_MISSING]
+    for hook in hooks:  # both wrote the short batch's step, without arrows, and said why
+        trace = load_trace(next(p for p in hook.saved_paths if p.endswith("-3.json")))
+        assert "differs from the step" in trace["metadata"][DATAFLOW_MISSING]
     assert probe.identities.mismatches == 1
 
 
@@ -163,10 +163,29 @@ def test_a_step_to_borrow_from_that_was_converted_elsewhere_does_not_count_towar
         identities.record()
         _, second, third = identities.next_borrow(), identities.next_borrow(), identities.next_borrow()
         identities.mismatch(second, "op 7 differs")
-        assert identities.mode() == BORROW  # (one step alone: an epoch's last, say)
+        assert identities.mode() == BORROW  # (one step alone: an epoch's first, say)
         identities.mismatch(third, "op 7 differs")
         assert identities.mode() in (RECORD, None)
     assert identities.mode() is None
+
+
+def test_a_late_report_of_a_step_that_borrowed_from_an_earlier_walk_changes_nothing():
+    """Reports come from the render thread, after later steps started: a step that borrowed from the fit's
+    earlier walk and is told to differ after the next walk was exported neither counts as the new walk's first
+    borrowing step nor makes the new walk's next odd step look like the second of two in a row."""
+    from hookprof.tracing.kineto_trace import BORROW
+    from hookprof.tracing.torch_tracer import _Identities
+
+    identities = _Identities()
+    identities.record()
+    late = identities.next_borrow()  # (borrowing from the first walk; its report comes late)
+    identities.mismatch(identities.next_borrow(), "op 3 differs")  # (a lone odd step: borrowing goes on)
+    identities.record()  # (a walk again, say after a restarted worker)
+    identities.next_borrow()
+    odd = identities.next_borrow()
+    identities.mismatch(late, "op 3 differs")
+    identities.mismatch(odd, "op 3 differs")  # (alone in its walk's steps)
+    assert identities.mode() == BORROW and identities.mismatches == 0
 
 
 @pytest.mark.parametrize("render_worker", [True, False], ids=["worker", "in-process"])
@@ -411,16 +430,17 @@ def test_the_borrowing_steps_of_an_accumulating_or_two_optimizer_fit_draw_its_wa
     assert len(walked) > 10 and all(found == walked for found in borrowed), [len(found) for found, _ in drawn]
 
 
-def test_an_epochs_last_step_alone_does_not_make_the_next_ones_walk_again(tmp_dir):
-    """Each epoch's last step logs its epoch's metrics (ops no other step runs): it has no arrows and says why,
-    and the steps after it borrow the fit's identities again, with arrows: over three epochs the fit walks its
-    event tree once (it walked again after each epoch's end, and gave borrowing up after the third)."""
+def test_an_epochs_first_step_alone_does_not_make_the_next_ones_walk_again(tmp_dir):
+    """Each epoch's first step runs ops no other step does (11 more: copies and clones around the metric the
+    model logs): it has no arrows and says why, and the steps after it borrow the fit's identities again, with
+    arrows: over three epochs the fit walks its event tree once (it walked again after each epoch's first step,
+    and gave borrowing up after the third)."""
     hook = ProfilerHook(save_steps=1, output_dir=tmp_dir, tensorboard=False)
     probe = FitIdentities()
     trainer(tmp_dir, [hook, probe], 24, logger=False).fit(TinyModel(), loader())  # (8 batches an epoch)
     missing = {int(path.rsplit("-", 1)[1].split(".")[0]): DATAFLOW_MISSING in arrows(path)[1]
                for path in hook.saved_paths}
-    assert sorted(step for step, absent in missing.items() if absent) == [9, 17]  # (each epoch's last)
+    assert sorted(step for step, absent in missing.items() if absent) == [9, 17]  # (the second and third epochs' first)
     assert len(missing) == 23 and all(len(arrows(path)[0]) > 20 for path in hook.saved_paths
                                       if not missing[int(path.rsplit("-", 1)[1].split(".")[0])])
     assert probe.identities.mismatches == 0 and probe.identities.mode() == BORROW

@@ -1,39 +1,33 @@
 """A package's public names, imported where first used (PEP 562), so that importing one of its modules (the
-render worker's, say) does not import every other one. The names and where each comes from are the package's
-own `if TYPE_CHECKING:` imports, read from its source: type checkers and readers see them there, and there is
-no second list to keep in step."""
+render worker's, say) does not import every other one. Each package lists its names twice: as imports under
+`if TYPE_CHECKING:`, for type checkers and readers (which then see no module `__getattr__`, so a misspelled
+name stays an error), and as the table given here, which `tests/test_layers.py` holds equal to them."""
 
 from __future__ import annotations
 
-import ast
 import importlib
+import importlib.util
 from collections.abc import Callable
 from typing import Any
 
 
-def lazy_names(namespace: dict[str, Any]) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
-    """The `__getattr__` and `__dir__` of the package whose globals are `namespace`: each name its
-    `if TYPE_CHECKING:` block imports is imported when first read, and kept."""
+def lazy_names(namespace: dict[str, Any], modules: dict[str, tuple[str, ...]]
+               ) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
+    """The `__getattr__` and `__dir__` of the package whose globals are `namespace`: each name of `modules` (a
+    module -> the names it defines; the package itself -> its submodules named so) is imported when first read,
+    and kept; any other submodule of the package is imported when read as an attribute too (as an eager
+    package's imports would have made it one)."""
     package = namespace["__name__"]
-    with open(namespace["__file__"], encoding="utf-8") as source:
-        tree = ast.parse(source.read())
-    where: dict[str, tuple[str, str]] = {}  # public name -> (module, its name there)
-    for node in tree.body:
-        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
-            for statement in node.body:
-                if isinstance(statement, ast.ImportFrom) and statement.module:
-                    for alias in statement.names:
-                        where[alias.asname or alias.name] = (statement.module, alias.name)
+    where = {name: module for module, names in modules.items() for name in names}
 
     def __getattr__(name: str) -> Any:
-        found = where.get(name)
-        if found is None:
-            raise AttributeError(f"module {package!r} has no attribute {name!r}")
-        module, attribute = found
-        if module == package:  # (`from package import submodule`)
-            value = importlib.import_module(f"{package}.{attribute}")
+        module = where.get(name)
+        if module is None or module == package:  # (a submodule)
+            if name.startswith("__") or importlib.util.find_spec(f"{package}.{name}") is None:
+                raise AttributeError(f"module {package!r} has no attribute {name!r}")
+            value = importlib.import_module(f"{package}.{name}")
         else:
-            value = getattr(importlib.import_module(module), attribute)
+            value = getattr(importlib.import_module(module), name)
         namespace[name] = value
         return value
 

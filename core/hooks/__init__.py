@@ -30,8 +30,27 @@ if TYPE_CHECKING:  # (type checkers read the names here; at run time each is imp
     from hookprof.hooks.summary_saver_hook import SummarySaverHook
     from hookprof.hooks.timer import NeverTriggerTimer, SecondOrStepTimer
     from hookprof.run_options import RunMetadata, RunOptions, TraceLevel
-
-__getattr__, __dir__ = lazy_names(globals())
+else:
+    __getattr__, __dir__ = lazy_names(globals(), {
+        "hookprof.hooks.capture": ("CaptureOptions",),
+        "hookprof.hooks.checkpoint_saver_hook": ("CheckpointSaverHook", "CheckpointSaverListener",
+            "latest_checkpoint", "list_variables", "load_variable"),
+        "hookprof.hooks.feed_fn_hook": ("FeedFnHook",),
+        "hookprof.hooks.final_ops_hook": ("FinalOpsHook",),
+        "hookprof.hooks.global_step_waiter_hook": ("GlobalStepWaiterHook",),
+        "hookprof.hooks.hooked_session": ("HookedSession", "step_feeds"),
+        "hookprof.hooks.logging_tensor_hook": ("LoggingTensorHook",),
+        "hookprof.hooks.nan_tensor_hook": ("NanLossDuringTrainingError", "NanTensorHook"),
+        "hookprof.hooks.profiler_hook": ("ProfilerHook",),
+        "hookprof.hooks.session": ("ManualSession", "Session", "StepState"),
+        "hookprof.hooks.session_run_hook": ("SessionRunArgs", "SessionRunContext", "SessionRunHook",
+            "SessionRunValues"),
+        "hookprof.hooks.step_counter_hook": ("StepCounterHook",),
+        "hookprof.hooks.stop_at_step_hook": ("StopAtStepHook",),
+        "hookprof.hooks.summary_saver_hook": ("SummarySaverHook",),
+        "hookprof.hooks.timer": ("NeverTriggerTimer", "SecondOrStepTimer"),
+        "hookprof.run_options": ("RunMetadata", "RunOptions", "TraceLevel"),
+    })
 
 __all__ = [
     "CaptureOptions", "CheckpointSaverHook", "CheckpointSaverListener", "FeedFnHook", "FinalOpsHook",

@@ -95,6 +95,7 @@ class StepTraceCoordinator:
         self.last_record: StepRecord | None = None  # the watched step that ended last, until the next begins
         self._record: StepRecord | None = None  # the watched step running
         self._tracer_state: dict[str, Any] = {}  # what a run's traced steps leave for its later ones (`bind_fit`)
+        self._marked: list[tuple[list[tuple[str, int]], tuple[str, int]]] = []  # what the last `mark` added, where
 
     def watch(self, steps: int) -> None:
         """Keep the records of at least the last `steps` steps until `unwatch(steps)`."""
@@ -183,19 +184,25 @@ class StepTraceCoordinator:
     def mark(self, phase: str) -> None:
         """Note that the running step entered `phase` now (first caller wins, within a micro-batch); free when
         nothing traces or watches."""
-        current = self._current
+        current, record = self._current, self._record
+        marked = []
         if current is not None and current.metadata is None:
-            _mark_once(current.marks, phase)
-        record = self._record
+            mark = _mark_once(current.marks, phase)
+            if mark is not None:
+                marked.append((current.marks, mark))
         if record is not None:
-            _mark_once(record.marks, phase)
+            mark = _mark_once(record.marks, phase)
+            if mark is not None:
+                marked.append((record.marks, mark))
+        if marked or self._marked:
+            self._marked = marked
 
     def unmark(self, phase: str) -> None:
         """The running step's last mark, `phase`, did not happen after all (a data wait that found the epoch's
-        data exhausted: no batch came, and the step ends)."""
-        for marks in (self._current.marks if self._current is not None and self._current.metadata is None else None,
-                      self._record.marks if self._record is not None else None):
-            if marks and marks[-1][0] == phase:
+        data exhausted: no batch came, and the step ends): what that `mark` added goes, if still the last."""
+        marked, self._marked = self._marked, []
+        for marks, mark in marked:
+            if mark[0] == phase and marks and marks[-1] is mark:
                 marks.pop()
 
     def micro_batch(self) -> None:
@@ -321,14 +328,17 @@ class PhasedExport:
 MICRO_BATCH = "forward"  # the mark a micro-batch after the step's first begins with (its forward pass)
 
 
-def _mark_once(marks: list[tuple[str, int]], phase: str) -> None:
-    """Append `phase` now unless the running micro-batch (the marks since the last MICRO_BATCH) has it."""
+def _mark_once(marks: list[tuple[str, int]], phase: str) -> tuple[str, int] | None:
+    """Append `phase` now unless the running micro-batch (the marks since the last MICRO_BATCH) has it; the mark
+    appended, or None."""
     for name, _ in reversed(marks):
         if name == phase:
-            return
+            return None
         if name == MICRO_BATCH:
             break
-    marks.append((phase, time.time_ns()))
+    mark = (phase, time.time_ns())
+    marks.append(mark)
+    return mark
 
 
 def _add_phase_spans(stats: StepStats, data_wait: tuple[int, int] | None, marks: list[tuple[str, int]],

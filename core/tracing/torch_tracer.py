@@ -145,10 +145,11 @@ def _quiet_kineto() -> Iterator[None]:
 class _Identities:
     """A fit's tensor identities (`hookprof.tracing.step_identity`): the first traced step that records tensors
     walks torch's event tree and leaves its identities for the next ones, which record only kineto's export and
-    borrow them. A step whose ops differ gets no arrows; one such step alone (an epoch's last, which logs its
-    epoch's metrics) changes nothing for the next ones, while the first borrowing step after a walk, or two in
-    a row, make the next traced step walk the tree again. After `GIVE_UP` such walks (a model whose ops change
-    from step to step) every step walks its own tree."""
+    borrow them. A step whose ops differ gets no arrows; one such step alone (under Lightning, an epoch's first
+    step runs 11 ops more, copies and clones around the metric it logs) changes nothing for the next ones,
+    while the first borrowing step after a walk, or two in a row, make the next traced step walk the tree
+    again. After `GIVE_UP` such walks (a model whose ops change from step to step) every step walks its own
+    tree."""
 
     GIVE_UP = 3
 
@@ -158,8 +159,9 @@ class _Identities:
         on_fit_end(("tensor identities", self.token), release_fit, self.token)
         self.recorded = False  # a step's identities were exported for the next ones
         self.mismatches = 0
+        self.walks = 0  # the fit's walks whose identities were exported (a borrowing step's generation)
         self.borrows = 0  # the borrowing steps started since the fit's last walk, each one's number
-        self._last_mismatch = -2  # the number of the last borrowing step whose ops differed
+        self._last_mismatch = -2  # the number of the last borrowing step (of this generation) whose ops differed
         self._lock = threading.Lock()  # (mismatches are told from the render thread)
 
     def mode(self) -> str | None:
@@ -168,26 +170,30 @@ class _Identities:
                 return None
             return BORROW if self.recorded else RECORD
 
-    def next_borrow(self) -> int:
-        """The number of a borrowing step starting now."""
+    def next_borrow(self) -> tuple[int, int]:
+        """A borrowing step starting now: the walk it borrows from (its generation) and its number since."""
         with self._lock:
             self.borrows += 1
-            return self.borrows
+            return self.walks, self.borrows
 
     def record(self) -> None:
         """A step's identities were exported: the next traced steps borrow them."""
         with self._lock:
-            self.recorded, self.borrows, self._last_mismatch = True, 0, -2
+            self.recorded, self.walks, self.borrows, self._last_mismatch = True, self.walks + 1, 0, -2
 
-    def mismatch(self, number: int, reason: str) -> None:
-        """Borrowing step `number` could not borrow (`reason`). Where it is the first since the walk (the walked
-        step may be the odd one: Lightning's first batch, an optimizer making its state) or the borrowing step
-        before it could not either, the next traced step walks its tree again, counted toward `GIVE_UP`; where
-        the step to borrow from was converted elsewhere (a restarted worker), it walks again at once, not
-        counted."""
+    def mismatch(self, borrow: tuple[int, int], reason: str) -> None:
+        """Borrowing step `borrow` (`next_borrow`) could not borrow (`reason`). Where it is the first since its
+        walk (the walked step may be the odd one: an optimizer making its state) or the borrowing step before it
+        could not either, the next traced step walks its tree again, counted toward `GIVE_UP`; where the step
+        to borrow from was converted elsewhere (a restarted worker), it walks again at once, not counted. A
+        report of a step that borrowed from an earlier walk than the last (told after the next walk was
+        exported: reports come from the render thread) changes nothing."""
+        generation, number = borrow
         with self._lock:
             if reason == NO_TEMPLATE:
                 self.recorded = False
+            elif generation != self.walks:
+                return
             elif number == 1 or number == self._last_mismatch + 1:
                 self.recorded = False
                 self.mismatches += 1
@@ -211,7 +217,7 @@ class TorchTracer(Tracer):
         self._options = RunOptions()
         self._identities: _Identities | None = None
         self._identity: tuple[str, str] | None = None
-        self._borrow = 0  # (the running step's number among its fit's borrowing steps: `_Identities.next_borrow`)
+        self._borrow: tuple[int, int] | None = None  # (the running borrowing step's: `_Identities.next_borrow`)
         self._fit_state: dict[str, Any] = {}  # (see `bind_fit`)
 
     def bind_fit(self, state: dict[str, Any]) -> None:
@@ -246,7 +252,7 @@ class TorchTracer(Tracer):
         identities = self._identities if options.records_tensors and not options.with_stack else None
         mode = identities.mode() if identities is not None else None
         self._identity = None if mode is None else (mode, identities.token)
-        self._borrow = identities.next_borrow() if mode == BORROW else 0
+        self._borrow = identities.next_borrow() if mode == BORROW else None
         cheap = not options.records_tensors or mode == BORROW
         export_only = export_only_config() if cheap and not (options.with_stack or use_cuda) else None
         prof = autograd_profiler.profile(
@@ -298,7 +304,7 @@ class TorchTracer(Tracer):
 
     def stop_recording(self) -> _Recording:
         """Stop torch's profiler now; the conversion of its events (the costly part) is left to the caller."""
-        mismatch = functools.partial(self._identities.mismatch, self._borrow) if self._borrow else None
+        mismatch = None if self._borrow is None else functools.partial(self._identities.mismatch, self._borrow)
         return _Recording(self._close(), self._options, self._identity, self._identities, mismatch)
 
 
