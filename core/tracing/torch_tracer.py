@@ -147,9 +147,9 @@ class _Identities:
     walks torch's event tree and leaves its identities for the next ones, which record only kineto's export and
     borrow them. A step whose ops differ gets no arrows; one such step alone (under Lightning, an epoch's first
     step runs 11 ops more, copies and clones around the metric it logs) changes nothing for the next ones,
-    while the first borrowing step after a walk, or two in a row, make the next traced step walk the tree
-    again. After `GIVE_UP` such walks (a model whose ops change from step to step) every step walks its own
-    tree."""
+    while the first borrowing step after a walk, two in a row, or lone ones past one in `LONE_SHARE` make the
+    next traced step walk the tree again. After `GIVE_UP` such walks (a model whose ops change from step to
+    step) every step walks its own tree."""
 
     GIVE_UP = 3
 
@@ -162,6 +162,7 @@ class _Identities:
         self.walks = 0  # the fit's walks whose identities were exported (a borrowing step's generation)
         self.borrows = 0  # the borrowing steps started since the fit's last walk, each one's number
         self._last_mismatch = -2  # the number of the last borrowing step (of this generation) whose ops differed
+        self._lone = 0  # the borrowing steps since the last walk whose ops differed, each alone
         self._lock = threading.Lock()  # (mismatches are told from the render thread)
 
     def mode(self) -> str | None:
@@ -179,7 +180,7 @@ class _Identities:
     def record(self) -> None:
         """A step's identities were exported: the next traced steps borrow them."""
         with self._lock:
-            self.recorded, self.walks, self.borrows, self._last_mismatch = True, self.walks + 1, 0, -2
+            self.recorded, self.walks, self.borrows, self._last_mismatch, self._lone = True, self.walks + 1, 0, -2, 0
 
     def mismatch(self, borrow: tuple[int, int], reason: str) -> None:
         """Borrowing step `borrow` (`next_borrow`) could not borrow (`reason`). Where it is the first since its
@@ -194,10 +195,19 @@ class _Identities:
                 self.recorded = False
             elif generation != self.walks:
                 return
-            elif number == 1 or number == self._last_mismatch + 1:
+            elif number == 1 or number == self._last_mismatch + 1 or self._too_many_alone(number):
                 self.recorded = False
                 self.mismatches += 1
             self._last_mismatch = number
+
+    LONE_SHARE = 4  # (at most one borrowing step in this many differs alone, past the first few)
+
+    def _too_many_alone(self, number: int) -> bool:
+        """Whether the steps that differed alone since the walk, with this one, are too many for odd steps (an
+        epoch's first is one in an epoch's traced steps): a model that alternates its ops (A, A, B, ...) would
+        otherwise lose the arrows of its B steps for the whole fit instead of walking each step's tree."""
+        self._lone += 1
+        return self._lone >= 3 and self._lone * self.LONE_SHARE > number
 
 
 class TorchTracer(Tracer):
