@@ -138,9 +138,8 @@ class _TrainStepWatch:
         try:
             driver = fit.driver
             if driver is not None:
-                # (a call whose first batch no trace waits for, and whose later batches, if any, no trace or trigger
-                # times, fetches its batches itself, unwrapped)
-                # (a call of several batches is counted: its epoch's data may run out inside it)
+                # (a call of one batch that no trace waits for fetches it itself, unwrapped; a call of several is
+                # counted, its epoch's data may run out inside it, and timed where a trace or trigger watches)
                 several = fit.session.steps_per_run > 1
                 timed = driver.trace_pending or (driver.watched and several)
                 if (fit.fetches_in_step and (timed or several) and len(args) == 2

@@ -185,6 +185,10 @@ class StepTraceCoordinator:
         """Note that the running step entered `phase` now (first caller wins, within a micro-batch); free when
         nothing traces or watches."""
         current, record = self._current, self._record
+        if (current is None or current.metadata is not None) and record is None:
+            if self._marked:  # (nothing traces or watches: the step's marks cost a few reads)
+                self._marked = []
+            return
         marked = []
         if current is not None and current.metadata is None:
             mark = _mark_once(current.marks, phase)
@@ -194,8 +198,7 @@ class StepTraceCoordinator:
             mark = _mark_once(record.marks, phase)
             if mark is not None:
                 marked.append((record.marks, mark))
-        if marked or self._marked:
-            self._marked = marked
+        self._marked = marked
 
     def unmark(self, phase: str) -> None:
         """The running step's last mark, `phase`, did not happen after all (a data wait that found the epoch's
