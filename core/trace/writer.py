@@ -380,9 +380,8 @@ def _tensor_flows(stats: StepStats, base: int) -> Iterable[dict[str, Any]]:
         else:
             (source_pid, source), (target_pid, target) = ((pids.get(id(producer), 0), producer),
                                                           (pids.get(id(consumer), 0), consumer))
-        end_us = (_end(source) - base) / 1000
         yield {"ph": "s", "cat": fmt.CAT_DATAFLOW, "name": edge.name, "id": flow_id, "pid": source_pid,
-               "tid": source.thread_id, "ts": end_us - min(0.001, source.duration_ns / 2000), "args": args}
+               "tid": source.thread_id, "ts": _flow_start_us(source, base), "args": args}
         yield {"ph": "t", "cat": fmt.CAT_DATAFLOW, "name": edge.name, "id": flow_id, "pid": target_pid,
                "tid": target.thread_id, "ts": (target.start_ns - base) / 1000, "bp": "e", "args": args}
 
@@ -405,8 +404,7 @@ def _shaped_tensor_flows(stats: StepStats, base: int, shape: StepShape) -> Itera
         return
     times = []
     for edge in stats.edges:  # (as `_tensor_flows` times them: the producer's end, the consumer's start)
-        producer = edge.producer
-        times.append((_end(producer) - base) / 1000 - min(0.001, producer.duration_ns / 2000))
+        times.append(_flow_start_us(edge.producer, base))
         times.append((edge.consumer.start_ns - base) / 1000)
     for (head, tail), time in zip(kept, orjson.dumps(times)[1:-1].split(b",")):
         yield orjson.Fragment(head + time + tail)
@@ -414,6 +412,11 @@ def _shaped_tensor_flows(stats: StepStats, base: int, shape: StepShape) -> Itera
 
 def _end(node: NodeExecStats) -> int:
     return node.start_ns + node.duration_ns
+
+
+def _flow_start_us(source: NodeExecStats, base: int) -> float:
+    """An arrow's start (us after `base`): just inside its source's end, so that it binds to that slice."""
+    return (_end(source) - base) / 1000 - min(0.001, source.duration_ns / 2000)
 
 
 def _memory_events(stats: StepStats, base: int, process_prefix: str = "") -> Iterable[dict[str, Any]]:
