@@ -149,6 +149,24 @@ def test_the_hand_encoded_xspace_is_what_protobuf_itself_writes_for_the_same_mes
     assert wire.varints([2**64 - 1, 2**70]) == [wire.varint(2**64 - 1), wire.varint(2**70)]  # (beyond int64)
 
 
+def test_a_repeated_fields_events_written_together_are_what_protobuf_reads_and_writes():
+    """`wire.delimited_each` (a line's events at C's pace) against protobuf's own parser and serialiser: an
+    empty payload, short ones and one past the precomputed lengths (2048 bytes)."""
+    line = xplane.message("XLine")
+    events = [xplane.message("XEvent")(metadata_id=i + 1, offset_ps=i * 1000, duration_ps=size)
+              for i, size in enumerate((0, 5, 300, 2**40))]
+    events[2].stats.add(metadata_id=3, str_value="x" * 3000)  # (a payload of more than 2048 bytes)
+    payloads = [e.SerializeToString() for e in events] + [b""]
+    field = wire.tag(4, wire.LENGTH_DELIMITED)  # XLine.events
+    together = wire.delimited_each(field, payloads)
+    assert together == b"".join(wire.delimited(field, p) for p in payloads)
+    parsed = line.FromString(together)
+    assert list(parsed.events) == events + [xplane.message("XEvent")()]
+    assert parsed.SerializeToString() == together
+    assert wire.delimited_each(field, payloads[:2]) == b"".join(wire.delimited(field, p) for p in payloads[:2])
+    assert wire.joined([b"a", b"b"], [b"1", b""], [b"x", b"y"]) == [b"a1x", b"by"]
+
+
 def test_keep_last_removes_old_profile_runs_with_what_xprof_cached_and_a_refit_never_rewrites_one(tmp_dir):
     out = os.path.join(tmp_dir, "prof")
     hook = ProfilerHook(save_steps=1, output_dir=out, keep_last=1)

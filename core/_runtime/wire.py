@@ -5,6 +5,8 @@ object per field too slow (the TensorBoard step graph, the Profile tab's XSpace)
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -77,6 +79,21 @@ def tag(number: int, wire_type: int) -> bytes:
 def delimited(field_tag: bytes, payload: bytes) -> bytes:
     """A length-delimited field (string, bytes, message) with its payload."""
     return field_tag + varint(len(payload)) + payload
+
+
+def delimited_each(field_tag: bytes, payloads: list[bytes]) -> bytes:
+    """`delimited(field_tag, payload)` of each of `payloads` (a repeated message field: a step's events or
+    nodes), joined. Iterated by C (`map`, `zip`, `join`): no Python call per payload, where a step has tens of
+    thousands."""
+    sizes = list(map(len, payloads))
+    size_fields = map(SIZES.__getitem__, sizes) if max(sizes, default=0) < len(SIZES) else varints(sizes)
+    return b"".join(itertools.chain.from_iterable(zip(itertools.repeat(field_tag), size_fields, payloads)))
+
+
+def joined(*columns: Iterable[bytes]) -> list[bytes]:
+    """Row by row, the pieces of `columns` (one from each) joined into one bytes (a step's events from what
+    their shape decides and their times); iterated by C, as `delimited_each`."""
+    return list(map(b"".join, zip(*columns)))
 
 
 def int_field(field_tag: bytes, value: int) -> bytes:
