@@ -193,7 +193,7 @@ class StepStats:
 
     def start_ns(self) -> int | None:
         """The earliest start of any recorded execution (None for an empty step)."""
-        return min((n.start_ns for n in self.all_nodes()), default=None)
+        return min((min(map(_START, dev.node_stats)) for dev in self.dev_stats if dev.node_stats), default=None)
 
 
 # The category of a host span, the step's phases (`hookprof.trace.format.CAT_SPAN`): here, for `StepShape`
@@ -349,6 +349,9 @@ def _has_kernels(stats: StepStats) -> bool:
     """Whether an accelerator ran kernels in the step (they are on its device, never the host's)."""
     return any(node.category == "Kernel" for dev in stats.dev_stats if not dev.device.startswith("/host:")
                for node in dev.node_stats)
+
+
+_START = operator.attrgetter("start_ns")
 
 
 def _node_end(node: NodeExecStats) -> int:

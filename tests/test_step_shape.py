@@ -219,3 +219,33 @@ def test_steps_apart_only_in_whether_hookprofs_work_ran_beside_them_share_a_shap
     assert outputs(second, shapes[1]) == alone[1]
     assert all(shape is shapes[0] for shape in last_kept(kept))  # (the second reused the first's parts)
     assert [trace.count(b'"shared_with_hookprof":true') for trace, *_ in alone] == [0, 2]
+
+
+def test_a_shaped_step_cut_short_by_max_events_writes_what_rendering_it_alone_writes(kept):
+    """A step of the last one's shape writes its op events and arrows as runs of serialised events
+    (`writer.Serialised`); `max_events` cuts it at the same event, inside a run or between a run and a phase
+    span (placed among the ops here), as rendering the step alone does."""
+    from hookprof.tracing.coordinator import StepPhases
+
+    steps = traced_steps(2)
+    for stats in steps:
+        nodes = list(stats.all_nodes())
+        start, end = min(n.start_ns for n in nodes), max(n.start_ns + n.duration_ns for n in nodes)
+        StepPhases("torch", (start - 1000, start), [("forward", start)], end, False, False).add_to(stats)
+        host = stats.dev_stats[0].node_stats
+        spans = [node for node in host if node.category == "Span"]
+        assert spans  # (then moved among the ops: the runs are cut around them)
+        for at, span in zip((0, 5, 6), spans):
+            host.remove(span)
+            host.insert(at, span)
+    shapes = StepShape(steps[0], kept), StepShape(steps[1], kept)
+    ChromeTraceWriter().render(steps[0], shape=shapes[0])
+    whole = ChromeTraceWriter().render(steps[1])[1].events
+    assert whole > 40
+    for cap in (1, 3, 6, 7, 8, 20, whole - 10, whole - 1, whole, whole + 5):
+        writer = ChromeTraceWriter(max_events=cap)
+        alone, alone_result = writer.render(steps[1], {"run": 1})
+        shaped, shaped_result = writer.render(steps[1], {"run": 1}, shape=shapes[1])
+        assert b"".join(shaped.chunks) == b"".join(alone.chunks), cap
+        assert shaped_result == alone_result and shaped_result.events == min(cap, whole)
+    assert last_kept(kept)[0] is shapes[0]  # (the second step reused the first's parts)

@@ -20,11 +20,13 @@ import gzip
 import itertools
 import json
 import logging
+import operator
 import queue
 import threading
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+import numpy as np
 import orjson
 
 from hookprof._runtime import arguments
@@ -71,14 +73,15 @@ def serialize_trace(raw: Any, events: Iterator[dict[str, Any]], tail: dict[str, 
         out.write(b"{" + (json.dumps(head)[1:-1] + ", ").encode() if head else b"{")
         out.write(b'"traceEvents":[')
         for chunk in _chunks(events):
-            if max_events is not None and count + len(chunk) > max_events:
-                chunk = chunk[: max_events - count]
+            size = len(chunk)
+            if max_events is not None and count + size > max_events:
+                size = max_events - count
                 truncated = True
-            if chunk:
+            if size:
                 if count:
                     out.write(b",")
-                out.write(orjson.dumps(chunk)[1:-1])
-                count += len(chunk)
+                out.write(chunk.joined(size) if type(chunk) is Serialised else orjson.dumps(chunk[:size])[1:-1])
+                count += size
             if truncated:
                 break
         metadata = {**tail.get(fmt.METADATA, {}), fmt.EVENTS: count}
@@ -191,7 +194,8 @@ class ChromeTraceWriter:
                 for node in dev.node_stats:
                     yield _step_op_event(node, pid, base, inputs, step_name)
         if self.show_dataflow:
-            yield from _launch_flows(stats, base)
+            if any(not dev.device.startswith("/host:") for dev in stats.dev_stats):  # (kernels are on theirs)
+                yield from _launch_flows(stats, base)
             if shape is not None and len(stats.dev_stats) == 1:
                 yield from _shaped_tensor_flows(stats, base, shape)
             else:
@@ -257,44 +261,54 @@ def _is_step_span(node: NodeExecStats) -> bool:
 
 
 def _shaped_op_events(stats: StepStats, base: int, step_name: str, shape: StepShape
-                      ) -> Iterator[dict[str, Any] | orjson.Fragment]:
+                      ) -> Iterator[dict[str, Any] | Serialised]:
     """The op events of `_op_event`, serialised: each its untimed head and tail (up to its start, and from its
     args on: what the step's shape decides, taken from the fit's last step of this shape (`StepShape.recall`),
-    or made and kept for the next) around its times (serialised together, by orjson as it serialises them in an event).
-    The step's phase spans (its span's name has its number; the wait's and the step's args may say hookprof's
-    work ran beside them) come as `_op_event` makes them."""
+    or made and kept for the next) around its times (serialised together, by orjson as it serialises them in an
+    event), joined by C's iteration (`wire.joined`) into runs of events (`Serialised`). The step's phase spans
+    (its span's name has its number; the wait's and the step's args may say hookprof's work ran beside them)
+    come between the runs as `_op_event` makes them."""
     kept = shape.recall("timeline")
-    made: list[list[tuple[bytes, bytes] | None]] | None = None if kept is not None else []
+    made: list[_ShapedDevice] | None = None if kept is not None else []
     inputs: _InputsMemo = {}
-    dur = b',"dur":'
     for pid, dev in enumerate(stats.dev_stats):
         nodes = dev.node_stats
-        times = orjson.dumps([t for node in nodes for t in ((node.start_ns - base) / 1000, node.duration_ns / 1000)])
-        times = times[1:-1].split(b",")
-        starts, durations = iter(times[0::2]), iter(times[1::2])
         if made is not None:
-            parts: list[tuple[bytes, bytes] | None] = []
-            made.append(parts)
-            for node, start, duration in zip(nodes, starts, durations):
-                event = _step_op_event(node, pid, base, inputs, step_name)
+            heads: list[bytes] = []
+            tails: list[bytes] = []
+            spans: list[int] = []
+            for at, node in enumerate(nodes):
                 if node.category == fmt.CAT_SPAN:  # (the step's phases: their name and args are the step's own)
-                    parts.append(None)
-                    yield event
+                    spans.append(at)
                     continue
+                event = _step_op_event(node, pid, base, inputs, step_name)
                 args = event.pop("args")
                 del event["ts"], event["dur"]
-                head, tail = orjson.dumps(event)[:-1] + b',"ts":', b',"args":' + orjson.dumps(args) + b"}"
-                parts.append((head, tail))
-                yield orjson.Fragment(head + start + dur + duration + tail)
+                heads.append(orjson.dumps(event)[:-1] + b',"ts":')
+                tails.append(b',"args":' + orjson.dumps(args) + b"},")
+            made.append((heads, tails, spans))
         else:
-            for node, part, start, duration in zip(nodes, kept[pid], starts, durations):
-                if part is None:
-                    yield _step_op_event(node, pid, base, inputs, step_name)
-                else:
-                    yield orjson.Fragment(part[0] + start + dur + duration + part[1])
+            heads, tails, spans = kept[pid]
+        # each event's `ts` value, `,"dur":` and its `dur` value (in us as `_op_event` makes them: `ns / 1000`,
+        # the same double from numpy as from Python), the spans' left out
+        times = np.column_stack(((_starts(nodes) - base) / 1000, _durations(nodes) / 1000))
+        times = _float_rows(np.delete(times, spans, axis=0) if spans else times, b',"dur":')
+        done = 0  # the events yielded so far (a span's place among them is its node's less the spans before it)
+        for count, at in enumerate([*spans, len(nodes)]):
+            if at - count > done:
+                run = slice(done, at - count)
+                yield Serialised(heads[run], times[run], tails[run])
+                done = at - count
+            if at < len(nodes):
+                yield _step_op_event(nodes[at], pid, base, inputs, step_name)
     if made is not None:
         shape.keep("timeline", made)
 
+
+# What a step's shape decides of its op events on one device (`_shaped_op_events`): each event's JSON before its
+# times and after them (with the comma after the event), the step's phase spans left out, and their places among
+# the device's nodes
+_ShapedDevice = tuple[list[bytes], list[bytes], list[int]]
 
 
 def _op_event(node: NodeExecStats, pid: int, base: int, inputs: _InputsMemo) -> dict[str, Any]:
@@ -386,28 +400,53 @@ def _tensor_flows(stats: StepStats, base: int) -> Iterable[dict[str, Any]]:
                "tid": target.thread_id, "ts": (target.start_ns - base) / 1000, "bp": "e", "args": args}
 
 
-def _shaped_tensor_flows(stats: StepStats, base: int, shape: StepShape) -> Iterator[orjson.Fragment]:
+def _shaped_tensor_flows(stats: StepStats, base: int, shape: StepShape) -> Iterator[Serialised]:
     """The arrows of `_tensor_flows` (a step on the host alone), serialised: each event's untimed head and tail
     (up to its time, and after it: what the step's shape decides, taken from the fit's last step of this shape
-    or made and kept for the next) around its time."""
+    or made and kept for the next) around its time, joined by C's iteration (`wire.joined`)."""
     kept = shape.recall("flows")
     if kept is None:
-        kept = []
+        kept = ([], [])
         for event in _tensor_flows(stats, base):
             keys = list(event)
             at = keys.index("ts")
-            head = orjson.dumps({key: event[key] for key in keys[:at]})[:-1] + b',"ts":'
-            tail = b"," + orjson.dumps({key: event[key] for key in keys[at + 1:]})[1:]
-            kept.append((head, tail))
+            kept[0].append(orjson.dumps({key: event[key] for key in keys[:at]})[:-1] + b',"ts":')
+            kept[1].append(b"," + orjson.dumps({key: event[key] for key in keys[at + 1:]})[1:] + b",")
         shape.keep("flows", kept)
-    if not kept:
+    if not kept[0]:
         return
-    times = []
-    for edge in stats.edges:  # (as `_tensor_flows` times them: the producer's end, the consumer's start)
-        times.append(_flow_start_us(edge.producer, base))
-        times.append((edge.consumer.start_ns - base) / 1000)
-    for (head, tail), time in zip(kept, orjson.dumps(times)[1:-1].split(b",")):
-        yield orjson.Fragment(head + time + tail)
+    # (as `_tensor_flows` times them: the producer's end, the consumer's start; the same float operations)
+    producers, consumers = list(map(_PRODUCER, stats.edges)), list(map(_CONSUMER, stats.edges))
+    ends, durations = _starts(producers) + _durations(producers) - base, _durations(producers)
+    flow_starts = ends / 1000 - np.minimum(0.001, durations / 2000)
+    times = _floats(np.column_stack((flow_starts, (_starts(consumers) - base) / 1000)).ravel())
+    yield Serialised(kept[0], times, kept[1])
+
+
+_PRODUCER, _CONSUMER = operator.attrgetter("producer"), operator.attrgetter("consumer")
+_START, _DURATION = operator.attrgetter("start_ns"), operator.attrgetter("duration_ns")
+
+
+def _starts(nodes: list[NodeExecStats]) -> np.ndarray:
+    """The nodes' starts (ns), read by C's iteration."""
+    return np.fromiter(map(_START, nodes), np.int64, len(nodes))
+
+
+def _durations(nodes: list[NodeExecStats]) -> np.ndarray:
+    return np.fromiter(map(_DURATION, nodes), np.int64, len(nodes))
+
+
+def _floats(values: np.ndarray) -> list[bytes]:
+    """Each double's JSON, as orjson writes a Python float (the same shortest repr), written together."""
+    return orjson.dumps(values, option=orjson.OPT_SERIALIZE_NUMPY)[1:-1].split(b",") if len(values) else []
+
+
+def _float_rows(rows: np.ndarray, between: bytes) -> list[bytes]:
+    """Each row of doubles as `_floats` writes them, its values joined by `between`: one bytes per row."""
+    if not len(rows):
+        return []
+    text = orjson.dumps(rows, option=orjson.OPT_SERIALIZE_NUMPY)[2:-2]  # ([[a,b],[c,d]]: no other brackets)
+    return text.replace(b"],[", b"\n").replace(b",", between).split(b"\n")
 
 
 def _end(node: NodeExecStats) -> int:
@@ -455,7 +494,41 @@ def _memory_events(stats: StepStats, base: int, process_prefix: str = "") -> Ite
             yield {"ph": "D", "ts": (alloc.free_ns - base) / 1000, **common}
 
 
-def _chunks(events: Iterator[dict[str, Any]]) -> Iterator[list[dict[str, Any]]]:
+class Serialised:
+    """Events already serialised, in order: an item of an event stream that `serialize_trace` writes as they
+    are, counted and cut as so many events. Each event is one piece from each of `columns` (bytes), its last
+    piece ending in the comma that follows it; the run is joined by C's iteration (`zip`, `join`), where a
+    step's tens of thousands of op events and arrows made into one `orjson.Fragment` each cost a Python call
+    each (`_shaped_op_events`)."""
+
+    __slots__ = ("_pieces", "_width")
+
+    def __init__(self, *columns: Iterable[bytes]) -> None:
+        self._width = len(columns)
+        self._pieces = list(itertools.chain.from_iterable(zip(*columns)))
+
+    def __len__(self) -> int:
+        return len(self._pieces) // self._width
+
+    def joined(self, count: int | None = None) -> bytes:
+        """The JSON of the first `count` events (all: None), comma-separated."""
+        return b"".join(self._pieces if count is None else self._pieces[:count * self._width])[:-1]
+
+
+def _chunks(events: Iterable[Any]) -> Iterator[list[Any] | Serialised]:
+    """`events` in lists of `_CHUNK` to serialise together, and each `Serialised` run as it is."""
     events = iter(events)
-    while chunk := list(itertools.islice(events, _CHUNK)):
-        yield chunk
+    while True:
+        chunk = list(itertools.islice(events, _CHUNK))
+        if not chunk:
+            return
+        # (a run ends the chunk it is in: the events before it, the run, then the next chunk)
+        runs = [i for i, event in enumerate(chunk) if type(event) is Serialised]
+        start = 0
+        for at in runs:
+            if at > start:
+                yield chunk[start:at]
+            yield chunk[at]
+            start = at + 1
+        if start < len(chunk):
+            yield chunk[start:] if start else chunk
