@@ -12,13 +12,14 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from hookprof import HookedSession, ManualSession, SessionRunHook
-from hookprof._runtime import worker
+from hookprof._runtime import by_fit, worker
 from hookprof.hooks.capture import CaptureOptions
 from hookprof.run_options import RunOptions, TraceLevel
 from hookprof.trace import format as fmt
 from hookprof.tracing import HostTracer
+from hookprof.tracing.kineto_replay import CONVERSIONS
 from hookprof.tracing.kineto_trace import BORROW
-from hookprof.tracing.step_identity import DATAFLOW_MISSING, TEMPLATES, held_fits
+from hookprof.tracing.step_identity import DATAFLOW_MISSING, TEMPLATES
 from hookprof.tracing.torch_tracer import TorchTracer
 from lightning_prof import ProfilerHook
 from tests.conftest import load_trace, skip_where_cuda_started
@@ -215,18 +216,20 @@ def test_a_model_whose_ops_alternate_gives_borrowing_up_as_one_whose_ops_change_
     assert tolerant.mode() == BORROW and tolerant.mismatches == 0
 
 
+@pytest.mark.parametrize("store", [TEMPLATES, CONVERSIONS], ids=["templates", "conversions"])
 @pytest.mark.parametrize("render_worker", [True, False], ids=["worker", "in-process"])
-def test_a_fit_s_template_goes_when_the_fit_ends(tmp_dir, render_worker):
-    """A fit's template is the fit's (its FitRun's): gone once the fit ends, from the render worker (which
-    another fit open meanwhile keeps running) or from the training process, not left for later fits to evict."""
-    held = (lambda: worker.WORKER.call(held_fits)) if render_worker else TEMPLATES.tokens
+def test_a_fit_s_template_goes_when_the_fit_ends(tmp_dir, render_worker, store):
+    """A fit's template (and its last converted steps: `hookprof.tracing.kineto_replay`) are the fit's (its
+    FitRun's): gone once the fit ends, from the render worker (which another fit open meanwhile keeps running) or
+    from the training process, not left for later fits to evict."""
+    held = (lambda: worker.WORKER.call(by_fit.held_here, store.name)) if render_worker else store.tokens
     other, context = HookedSession([SessionRunHook()], HostTracer), contextvars.Context()
     context.run(other.begin)  # a fit in another thread: the worker outlives this one
     try:
         hook = ProfilerHook(save_steps=1, output_dir=tmp_dir, show_memory=True,
                             capture=CaptureOptions(render_worker=render_worker))
         probe = HeldAtTheEnd(hook, held)
-        before = set(held()) if render_worker and worker.WORKER.answered else set(TEMPLATES.tokens())
+        before = set(held()) if render_worker and worker.WORKER.answered else set(store.tokens())
         trainer(tmp_dir, [probe, hook], 5).fit(TinyModel(), loader())
         mine = set(probe.at_end) - before
         assert len(mine) == 1  # the fit's template, while it ran

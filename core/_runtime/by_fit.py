@@ -92,3 +92,10 @@ def forget_here(name: str, token: str) -> None:
     if store is not None:
         store.forget(token)
 
+
+
+def held_here(name: str) -> list[str]:
+    """The tokens of the fits whose values store `name` holds in this process (run in the render worker by
+    `WORKER.call`), oldest first."""
+    store = _STORES.get(name)
+    return [] if store is None else store.tokens()

@@ -25,9 +25,11 @@ from typing import Any
 
 from hookprof._runtime.gc_pause import paused_gc
 from hookprof.run_options import RunOptions
-from hookprof.step_stats import NodeExecStats, StepStats
+from hookprof.step_stats import DeviceStepStats, NodeExecStats, StepStats
 from hookprof.trace import format as fmt
+from hookprof.tracing import kineto_replay
 from hookprof.tracing.kineto_events import KinetoEvent, decode_trace, decoded
+from hookprof.tracing.kineto_replay import CONVERSIONS, FitConversions
 from hookprof.tracing.step_identity import (
     BACKWARD_PREFIX,
     DATAFLOW_MISSING,
@@ -59,6 +61,8 @@ _KERNEL_ACTIVITIES = {"kernel", "gpu_memcpy", "gpu_memset", "concurrent_kernel"}
 _RUNTIME_ACTIVITIES = {"cuda_runtime", "cuda_driver"}
 _HOST_ACTIVITIES = {"cpu_op", "user_annotation"} | _RUNTIME_ACTIVITIES
 _IDENTITY_ACTIVITIES = ("cpu_op", "user_annotation")  # the rows a template joins (`step_identity.Row`)
+# the spans a conversion looks at without Python stacks: a step it can convert again (`kineto_replay`) has the same
+_REPLAYED = frozenset(_HOST_ACTIVITIES | _KERNEL_ACTIVITIES)
 
 
 @dataclasses.dataclass
@@ -77,6 +81,8 @@ class KinetoExport:
     # in the training process only (not pickled): told when borrowed identities did not fit this step, once
     # (`report_mismatch`), however many times and wherever the step is converted
     on_mismatch: Callable[[str], None] | None = dataclasses.field(default=None, compare=False, repr=False)
+    # the token of the step's fit, whose last converted step this one may be converted as (`kineto_replay`)
+    fit: str | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "on_mismatch": None}
@@ -108,7 +114,7 @@ class KinetoExport:
             if data.deviceProperties:  # each GPU's model and capabilities
                 stats.metadata[fmt.DEVICE_PROPERTIES] = data.deviceProperties
             by_external_id = _convert(data.traceEvents, base, stats, options.records_tensors,
-                                      options.with_stack, rows, instants, interned)
+                                      options.with_stack, rows, instants, interned, self.fit)
             tree = self.tree
             if mode == RECORD and tree is not None:
                 TEMPLATES.remember(token, build_template(tree, rows, interned))
@@ -135,9 +141,10 @@ NO_TEMPLATE = ("the step its tensor identities were to be taken from was not con
 
 
 _RAW: Any = object()  # a row's dims or types as the export gives them (not interned)
-_OUTSIDE = (0, "", "", "")  # the stack entry around a thread's outermost events: no scope, phase or optimizer
+_OUTSIDE = (0, "", "", "", -1)  # the stack entry around a thread's outermost events: no scope, phase or optimizer
 _COUNTED = frozenset({"aten::conv2d", "aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::mul",
                       "aten::add"})  # the ops torch's profiler counts flops for
+_VALUED = frozenset({"aten::conv2d"})  # the ops whose scalar arguments (`Concrete Inputs`) `flops` reads
 
 
 def _numel(shape: Any) -> int:
@@ -191,7 +198,7 @@ def flops(name: str, dims: Any, types: Any, concrete: Any) -> int:
 def _convert(events: list[KinetoEvent], base: int, stats: StepStats, want_ids: bool = False,
              with_stack: bool = False, rows_out: list[Row] | None = None,
              instants_out: list[KinetoEvent] | None = None, interned: Interned | None = None,
-             ) -> dict[int, NodeExecStats]:
+             fit: str | None = None) -> dict[int, NodeExecStats]:
     """Turn kineto's exported events (times in microseconds after `base` ns) into NodeExecStats: scopes from
     module spans, phases from autograd and optimizer. With `with_stack`, each op gets its Python call
     stack (`args["stack"]`, outermost frame first) from the Python-function spans enclosing it on its
@@ -199,9 +206,22 @@ def _convert(events: list[KinetoEvent], base: int, stats: StepStats, want_ids: b
     ops' `correlation_id`, the export's `External id`). `rows_out`, when given, gets each op and user span as a
     `Row` in start order; `instants_out` the export's `[memory]` instants (`hookprof.tracing.step_identity`).
     Ops share their argument lists (shapes, types, dtypes) where equal, from `interned` and added to it.
+    A step of fit `fit` whose ops are the fit's last converted step's is converted as that one was
+    (`hookprof.tracing.kineto_replay`); one converted here leaves its conversion for the next.
     """
     by_external_id: dict[int, NodeExecStats] = {}
     host = stats.device(HOST_DEVICE)
+    records: _Records | None = None
+    conversions = CONVERSIONS.setdefault(fit, FitConversions) if fit is not None and not with_stack else None
+    if conversions is not None and not conversions.off:
+        spans, signatures = kineto_replay.signatures(events, _REPLAYED, _VALUED)
+        replayed = conversions.replay(spans, signatures, base, host, rows_out)
+        if replayed is not None:
+            if instants_out is not None:
+                instants_out.extend(kineto_replay.memory_instants(events))
+            return replayed if want_ids else by_external_id
+        if not conversions.off:  # (still worth recording for the fit's next step)
+            records = _Records(spans, signatures, conversions)
     rows = []
     backward_end = 0  # the end of the step's last backward op: what starts after it is the optimizer's
     kernels: list[tuple[int, NodeExecStats]] = []  # (the launching op's External id, the kernel)
@@ -224,8 +244,8 @@ def _convert(events: list[KinetoEvent], base: int, stats: StepStats, want_ids: b
     rows.sort()
     launchers: dict[int, NodeExecStats] | None = {} if kernels else None  # External id -> op, for kernels
 
-    # per thread, the open events: (end_ns, scope, phase, optimizer scope)
-    stacks: dict[int, list[tuple[int, str, str, str]]] = {}
+    # per thread, the open events: (end_ns, scope, phase, optimizer scope, place in start order)
+    stacks: dict[int, list[tuple[int, str, str, str, int]]] = {}
     # per forward thread (the first one to run forward ops first): autograd sequence nr -> scope
     forward_scopes: dict[int, dict[int, str]] = {}
     name_counts: dict[str, int] = {}
@@ -235,7 +255,7 @@ def _convert(events: list[KinetoEvent], base: int, stats: StepStats, want_ids: b
     types_cache, shapes_cache = interned.types, interned.shapes
     frames: dict[int, list[tuple[int, str]]] = {}  # thread -> open Python frames (end_ns, "file(line): func")
     cat_op, cat_module, new_row = fmt.CAT_OP, fmt.CAT_MODULE, tuple.__new__  # (a row's `Row`, without its __new__)
-    for start, neg_dur, tid, _, activity, name, fields in rows:
+    for place, (start, neg_dur, tid, _, activity, name, fields) in enumerate(rows):
         dur = -neg_dur
         if activity == "python_function":
             open_frames = frames.setdefault(tid, [])
@@ -249,8 +269,14 @@ def _convert(events: list[KinetoEvent], base: int, stats: StepStats, want_ids: b
             stack = stacks[tid] = []
             host.thread_names.setdefault(tid, f"CPU thread {tid}")
         while stack and stack[-1][0] <= start:
-            stack.pop()
-        _, scope, phase, optimizer = stack[-1] if stack else _OUTSIDE
+            ended = stack.pop()
+            if records is not None:
+                records.popped.append((ended[4], place))
+        _, scope, phase, optimizer, parent = stack[-1] if stack else _OUTSIDE
+        if records is not None:
+            records.parents.append(parent)
+            if name.startswith(BACKWARD_PREFIX):
+                records.backward.append(place)
         category = cat_op
         op = name
         shapes = dtypes = args = None
@@ -306,6 +332,8 @@ def _convert(events: list[KinetoEvent], base: int, stats: StepStats, want_ids: b
             args = {"correlation": fields.correlation}
         if not phase:
             phase = "optimizer" if backward_end and start >= backward_end else "forward"
+            if records is not None:
+                records.by_rule.append((place, phase == "optimizer"))
         if phase == "forward" and category == cat_op:
             seq = fields.sequence
             if seq >= 0:
@@ -315,13 +343,13 @@ def _convert(events: list[KinetoEvent], base: int, stats: StepStats, want_ids: b
                 scopes.setdefault(seq, scope)
         if phase == "optimizer" and not scope:
             scope = optimizer or "optimizer"
-        stack.append((start + dur, scope, phase if phase != "forward" else "", optimizer))
+        stack.append((start + dur, scope, phase if phase != "forward" else "", optimizer, place))
 
-        base = scope if category == cat_module else (f"{scope}/{op}" if scope else op)
-        count = name_counts.get(base, 0)
-        name_counts[base] = count + 1
+        named = scope if category == cat_module else (f"{scope}/{op}" if scope else op)
+        count = name_counts.get(named, 0)
+        name_counts[named] = count + 1
         node = NodeExecStats(
-            f"{base}_{count}" if count else base, op, start, dur, tid, scope, phase, shapes, dtypes,
+            f"{named}_{count}" if count else named, op, start, dur, tid, scope, phase, shapes, dtypes,
             None, category, args,
         )
         nodes.append(node)
@@ -329,10 +357,16 @@ def _convert(events: list[KinetoEvent], base: int, stats: StepStats, want_ids: b
             external_id = fields.external_id
             if external_id is None:
                 external_id = 0  # (as no kernel's: theirs is -1 where missing)
-            if rows_out is not None:
-                rows_out.append(new_row(Row, (node, external_id, tid, name,
-                                              decoded(fields.dims, shapes_cache) if dims is _RAW else dims,
-                                              decoded(fields.types, {}) if types is _RAW else types)))
+            if rows_out is not None or records is not None:
+                row = new_row(Row, (node, external_id, tid, name,
+                                    decoded(fields.dims, shapes_cache) if dims is _RAW else dims,
+                                    decoded(fields.types, {}) if types is _RAW else types))
+                if rows_out is not None:
+                    rows_out.append(row)
+                if records is not None:
+                    records.identity.append((place, name, row.dims, row.types))
+                    if activity == "cpu_op":
+                        records.ops.append(place)
             if activity == "cpu_op":
                 if want_ids:
                     by_external_id[external_id] = node
@@ -344,7 +378,38 @@ def _convert(events: list[KinetoEvent], base: int, stats: StepStats, want_ids: b
             op = launchers.get(external_id)
             if op is not None:
                 kernel.args[fmt.ARG_LAUNCHED_BY] = op.node_name
+    if records is not None and not kernels:
+        records.keep(base, host)
     return by_external_id
+
+
+class _Records:
+    """What a conversion records of its step for the fit's next one (`kineto_replay.Conversion`): its spans and
+    their signatures, and, per node in start order, what its times decided; kept in its fit's `conversions`."""
+
+    __slots__ = ("spans", "signatures", "conversions", "parents", "popped", "by_rule", "backward", "identity", "ops")
+
+    def __init__(self, spans: list[KinetoEvent], signatures: list[tuple], conversions: FitConversions) -> None:
+        self.spans, self.signatures, self.conversions = spans, signatures, conversions
+        self.parents: list[int] = []
+        self.popped: list[tuple[int, int]] = []
+        self.by_rule: list[tuple[int, bool]] = []
+        self.backward: list[int] = []
+        self.identity: list[tuple[int, str, Any, Any]] = []
+        self.ops: list[int] = []
+
+    def keep(self, base: int, host: DeviceStepStats) -> None:
+        """Keep the step's conversion for its fit's next step, where it can be replayed: its nodes are its spans
+        (no CUDA runtime calls: their args are each step's own), and its sequence numbers are numbers."""
+        if any(node.category == fmt.CAT_RUNTIME for node in host.node_stats):
+            return
+        try:
+            conversion = kineto_replay.Conversion(self.spans, self.signatures, base, host.node_stats, self.parents,
+                                                  self.popped, self.by_rule, self.backward, self.identity,
+                                                  self.ops, host.thread_names)
+        except (TypeError, ValueError, OverflowError):  # (sequence numbers, threads or times that are not numbers)
+            return
+        self.conversions.keep(conversion)
 
 
 def _add_kernel(event: KinetoEvent, activity: str, base: int, stats: StepStats) -> tuple[int, NodeExecStats]:

@@ -430,11 +430,6 @@ def borrow(template: IdentityTemplate, stats: StepStats, rows: list[Row], instan
 TEMPLATES: ByFit[IdentityTemplate] = ByFit("identity templates")
 
 
-def held_fits() -> list[str]:
-    """The tokens of the fits whose templates this process holds (run in the render worker by `WORKER.call`)."""
-    return TEMPLATES.tokens()
-
-
 def release_fit(token: str) -> None:
     """Fit `token` ended (its `FitRun` closes, after its hooks flushed what they traced): its template goes,
     here and in the render worker, if one runs."""

@@ -30,6 +30,7 @@ from hookprof._runtime.private_dir import PROCESS_DIRECTORY
 from hookprof.naming import root_label
 from hookprof.run_options import RunOptions, TraceLevel
 from hookprof.step_stats import StepStats
+from hookprof.tracing.kineto_replay import CONVERSIONS
 from hookprof.tracing.kineto_trace import BORROW, NO_TEMPLATE, RECORD, KinetoExport
 from hookprof.tracing.step_identity import MODULE_PREFIX, release_fit
 from hookprof.tracing.torch_dataflow import event_tree
@@ -157,6 +158,8 @@ class _Identities:
         self.token = uuid.uuid4().hex
         # (made in the fit's context, at its first traced step: its template goes when the fit ends)
         on_fit_end(("tensor identities", self.token), release_fit, self.token)
+        # (and its last converted step: `hookprof.tracing.kineto_replay`)
+        on_fit_end(("kineto conversions", self.token), CONVERSIONS.release, self.token)
         self.recorded = False  # a step's identities were exported for the next ones
         self.mismatches = 0
         self.walks = 0  # the fit's walks whose identities were exported (a borrowing step's generation)
@@ -360,7 +363,8 @@ class _Recording:
             if identity is not None and identity[0] == RECORD and tree is None:
                 identity = None  # (this torch has no tree to record)
             exported = KinetoExport(path, results.trace_start_ns(), options, str(torch.__version__), tree, identity,
-                                    self._mismatch if identity is not None and identity[0] == BORROW else None)
+                                    self._mismatch if identity is not None and identity[0] == BORROW else None,
+                                    None if identities is None else identities.token)
             if identity is not None and identity[0] == RECORD:
                 identities.record()
             weakref.finalize(exported, _remove_own, path, os.getpid())

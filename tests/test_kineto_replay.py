@@ -1,0 +1,180 @@
+"""A traced step converted as its fit's last converted step was (`hookprof.tracing.kineto_replay`): in real
+Lightning fits, each step so converted equals its conversion in full, field for field and in every output; a
+step whose ops, nesting, phases or sequence numbers differ is converted in full."""
+
+import dataclasses
+
+import lightning as L
+import pytest
+
+from hookprof.run_options import RunOptions, TraceLevel
+from hookprof.step_stats import StepStats
+from hookprof.tracing import kineto_replay
+from hookprof.tracing.kineto_trace import _convert
+from hookprof.tracing.torch_tracer import TorchTracer
+from tests.conftest import skip_where_cuda_started
+from tests.lightning_models import TinyModel, loader, trainer
+from tests.test_step_clock import TwoOptimizers
+from tests.test_step_identity import AdamModel, kineto_events, rendered
+
+OPS = RunOptions(trace_level=TraceLevel.FULL_TRACE)
+DATAFLOW = RunOptions(trace_level=TraceLevel.FULL_TRACE, record_dataflow=True)
+TENSORS = RunOptions(trace_level=TraceLevel.FULL_TRACE, record_dataflow=True, record_memory=True)
+
+
+class BothConversions(L.Callback):
+    """Traces every step of the fit with one fit's tracer and converts each export twice: in full (as a step of
+    no fit) and as the render worker converts it (its fit's last conversion replayed where the ops are the
+    same); keeps (full, as converted) in order."""
+
+    def __init__(self, options, batches=1):
+        self.options, self.state, self.steps, self.batches = options, {}, [], batches
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx % self.batches == 0:  # (an optimizer step's micro-batches traced together, as hookprof does)
+            self.tracer = TorchTracer(pl_module)
+            self.tracer.bind_fit(self.state)
+            self.tracer.start(self.options)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if batch_idx % self.batches != self.batches - 1:
+            return
+        exported = self.tracer.stop_recording().export()
+        full = dataclasses.replace(exported, fit=None).to_stats()
+        self.steps.append((full, exported.to_stats()))
+
+
+def counted_replays(monkeypatch):
+    """The steps converted as their fit's last one was, counted as they are."""
+    replays = []
+    replay = kineto_replay.Conversion.replay
+
+    def counted(self, *args):
+        found = replay(self, *args)
+        replays.append(found is not None)
+        return found
+
+    monkeypatch.setattr(kineto_replay.Conversion, "replay", counted)
+    return replays
+
+
+def fields(stats):
+    """Every field of every node (times included), the threads' names and the step's metadata."""
+    return ([(dev.device, [dataclasses.astuple(node) for node in dev.node_stats], dev.thread_names)
+             for dev in stats.dev_stats], stats.metadata)
+
+
+@pytest.mark.parametrize("options", [OPS, DATAFLOW, TENSORS], ids=["ops", "dataflow", "dataflow+memory"])
+@pytest.mark.parametrize("fit", ["sgd", "adam", "accumulation", "two optimizers"])
+def test_a_step_converted_as_its_fits_last_one_equals_its_conversion_in_full(tmp_dir, monkeypatch, options, fit):
+    skip_where_cuda_started()
+    replays = counted_replays(monkeypatch)
+    steps = BothConversions(options, batches=2 if fit == "accumulation" else 1)
+    if fit == "accumulation":
+        trainer(tmp_dir, [steps], 8, logger=False, accumulate_grad_batches=2).fit(TinyModel(), loader(n=192))
+    elif fit == "two optimizers":  # (two optimizer steps a batch)
+        trainer(tmp_dir, [steps], 16, logger=False).fit(TwoOptimizers(), loader(n=96))
+    else:
+        trainer(tmp_dir, [steps], 8, logger=False).fit(TinyModel() if fit == "sgd" else AdamModel(), loader(n=96))
+    assert len(steps.steps) == 8
+    for number, (full, converted) in enumerate(steps.steps):
+        assert fields(converted) == fields(full), number
+        assert rendered(converted) == rendered(full), number
+    # (most steps were converted as the one before: an epoch's first and last steps, Adam's first, differ)
+    assert sum(replays) >= len(steps.steps) // 2, replays
+
+
+def span(name, ts, dur, external_id, sequence=-1, tid=1):
+    return {"ph": "X", "cat": "cpu_op", "name": name, "ts": ts, "dur": dur, "tid": tid,
+            "args": {"External id": external_id, "Sequence number": sequence}}
+
+
+def step_events(first_id, nested=True, late_update=True, sequences=(5, 5)):
+    """A step's export: a forward op with a nested one (or one after the other), a backward function (on a thread
+    of its own, as autograd's on CUDA), and an update that starts after its end (or before it: forward by the
+    phase rule)."""
+    inner_start = 2 if nested else 12
+    return [span("aten::linear", 0, 10, first_id, sequences[0]),
+            span("aten::addmm", inner_start, 5, first_id + 1),
+            span("autograd::engine::evaluate_function: AddmmBackward0", 20, 10 if late_update else 25, first_id + 2,
+                 sequences[1], tid=2),
+            span("aten::add_", 40, 3, first_id + 3)]
+
+
+def converted(events, fit):
+    stats = StepStats()
+    rows = []
+    by_id = _convert(kineto_events(events), 1_000_000, stats, True, False, rows, [], None, fit)
+    return stats, rows, by_id
+
+
+@pytest.mark.parametrize("change", ["nesting", "phase", "sequence numbers", "name", "shapes"])
+def test_a_step_whose_times_or_ops_decide_otherwise_is_converted_in_full(monkeypatch, change):
+    """The same ops (names, threads, arguments) are not enough: times that nest them otherwise, or put an op on the
+    other side of the backward's end, or sequence numbers that are not the last step's shifted, are each step's
+    own; a step with another op or other shapes is another step. Each such step is converted in full and equals
+    its conversion with no fit's; the step after it, like it, is converted as it was."""
+    replays = counted_replays(monkeypatch)
+    fit = f"replay-test-{change}"
+    first = step_events(100)
+    other = {"nesting": step_events(200, nested=False), "phase": step_events(200, late_update=False),
+             "sequence numbers": step_events(200, sequences=(5, 9)), "name": step_events(200),
+             "shapes": step_events(200)}[change]
+    if change == "name":
+        other[1]["name"] = "aten::mm"
+    if change == "shapes":
+        other[1]["args"]["Input Dims"] = [[4, 8], [8, 2]]
+    again = [dict(event, args=dict(event["args"])) for event in other]
+    for event in again:
+        event["args"]["External id"] += 100
+        if event["args"]["Sequence number"] >= 0:
+            event["args"]["Sequence number"] += 3
+    converted(first, fit)
+    for events, replayed in ((step_events(300), True), (other, False), (again, True)):
+        stats, rows, by_id = converted(events, fit)
+        full_stats, full_rows, full_by_id = converted(events, None)
+        assert fields(stats) == fields(full_stats)
+        assert [row[1:] for row in rows] == [row[1:] for row in full_rows]
+        assert {key: dataclasses.astuple(node) for key, node in by_id.items()} == \
+            {key: dataclasses.astuple(node) for key, node in full_by_id.items()}
+        assert replays[-1] is replayed, (change, events)
+    if change == "phase":  # (what the full conversion decided otherwise)
+        assert {node.op: node.phase for node in converted(other, None)[0].all_nodes()}["aten::add_"] == "forward"
+
+
+def test_a_fit_whose_steps_are_never_converted_alike_stops_recording_them(monkeypatch):
+    """Recording a step's conversion costs about half a conversion more: a fit whose steps never repeat their ops
+    records none after `FitConversions.MISSES_MAX` misses in a row, and converts each step in full."""
+    recorded = []
+    made = kineto_replay.Conversion.__init__
+
+    def counted(self, *args):
+        recorded.append(True)
+        made(self, *args)
+
+    monkeypatch.setattr(kineto_replay.Conversion, "__init__", counted)
+    fit = "replay-test-never"
+    for number in range(6):
+        events = step_events(100 * number + 100)
+        events[1]["name"] = f"aten::op{number}"  # (each step's ops its own)
+        stats = converted(events, fit)[0]
+        assert fields(stats) == fields(converted(events, None)[0])
+    conversions = kineto_replay.CONVERSIONS.recall(fit)
+    assert conversions.off and not conversions.kept
+    assert len(recorded) == kineto_replay.FitConversions.MISSES_MAX  # (the first step's, and a miss's)
+
+
+def test_the_usual_steps_conversion_outlives_an_odd_step(monkeypatch):
+    """An odd step (an epoch's last one, logging its metrics) is converted in full and kept; the usual step after
+    it is converted as the usual one before it was (the fit keeps its last two kinds of steps)."""
+    replays = counted_replays(monkeypatch)
+    fit = "replay-test-odd"
+    odd = step_events(300)
+    odd.append(span("aten::copy_", 50, 1, 304))
+    for number, events in enumerate((step_events(100), step_events(200), odd, step_events(400), step_events(500))):
+        stats = converted(events, fit)[0]
+        assert fields(stats) == fields(converted(events, None)[0]), number
+    # (the second step fits the first's; the odd one fits neither kept; the fourth fits the first's, once the
+    # odd one's did not)
+    assert replays == [True, False, False, True, True]
+    assert len(kineto_replay.CONVERSIONS.recall(fit).kept) == kineto_replay.FitConversions.KEPT
