@@ -199,6 +199,8 @@ class StepStats:
 # The category of a host span, the step's phases (`hookprof.trace.format.CAT_SPAN`): here, for `StepShape`
 CAT_SPAN = "Span"
 
+_CATEGORY = operator.attrgetter("category")
+
 # Every field of a node but its start and duration, as a tuple (tests/test_step_shape.py holds it to the fields;
 # `_shapes` reads the last two)
 node_shape = operator.attrgetter("node_name", "op", "thread_id", "scope", "phase", "input_shapes", "input_dtypes",
@@ -209,8 +211,16 @@ def _shapes(nodes: list[NodeExecStats]) -> list[tuple]:
     """The shapes of `nodes` (`node_shape`), but for the step's phase spans without their args: what those say
     is the step's own (whether hookprof's work ran beside the wait or the step), and the renderers that read
     args (the timeline's) make those spans anew for every step."""
-    return [shape[:-1] + (None,) if shape[-2] == CAT_SPAN and shape[-1] is not None else shape
-            for shape in map(node_shape, nodes)]
+    shapes = list(map(node_shape, nodes))
+    categories = list(map(_CATEGORY, nodes))
+    at = -1
+    try:  # (a step has few spans among its thousands of ops: found by the list's own search)
+        while True:
+            at = categories.index(CAT_SPAN, at + 1)
+            if shapes[at][-1] is not None:
+                shapes[at] = shapes[at][:-1] + (None,)
+    except ValueError:
+        return shapes
 
 
 class StepShape:
