@@ -8,6 +8,7 @@ environment has it); the file layout, retention and no-rewrite rules are checked
 """
 
 import collections
+import functools
 import glob
 import gzip
 import json
@@ -16,6 +17,7 @@ import re
 import urllib.parse
 import urllib.request
 
+import numpy as np
 import pytest
 
 from hookprof._runtime import wire
@@ -165,6 +167,18 @@ def test_a_repeated_fields_events_written_together_are_what_protobuf_reads_and_w
     assert parsed.SerializeToString() == together
     assert wire.delimited_each(field, payloads[:2]) == b"".join(wire.delimited(field, p) for p in payloads[:2])
     assert wire.joined([b"a", b"b"], [b"1", b""], [b"x", b"y"]) == [b"a1x", b"by"]
+
+
+def test_a_steps_fields_encoded_together_are_each_as_encoded_alone():
+    """`wire.int_fields` (a step's start times) and `wire.each_encoded` (its durations, each distinct one encoded
+    once) give each value's own field: zero left out, negatives as protobuf writes them, past int64."""
+    values = [0, 1, 127, 128, 2**42, -1, 0, 5, 2**63 - 1, 128, -2**63]
+    field = wire.tag(3, wire.VARINT)
+    alone = [wire.int_field(field, value) for value in values]
+    assert wire.int_fields(field, values) == wire.int_fields(field, np.array(values)) == alone
+    assert wire.int_fields(field, [2**64 - 1]) == [wire.int_field(field, 2**64 - 1)]
+    assert list(wire.each_encoded(np.array(values), functools.partial(wire.int_fields, field))) == alone
+    assert wire.int_fields(field, []) == [] and list(wire.each_encoded(np.array([], dtype=np.int64), list)) == []
 
 
 def test_keep_last_removes_old_profile_runs_with_what_xprof_cached_and_a_refit_never_rewrites_one(tmp_dir):
