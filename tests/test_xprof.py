@@ -8,14 +8,18 @@ environment has it); the file layout, retention and no-rewrite rules are checked
 """
 
 import collections
+import copy
+import functools
 import glob
 import gzip
 import json
 import os
+import random
 import re
 import urllib.parse
 import urllib.request
 
+import numpy as np
 import pytest
 
 from hookprof._runtime import wire
@@ -119,9 +123,8 @@ def test_each_traced_step_is_a_profile_run_beside_the_fits_tensorboard_data(tmp_
     assert rows and all(row.stats[xplane.GROUP_ID] == 2 for row in rows)  # every event in the step, 0 or not
 
 
-def test_the_hand_encoded_xspace_is_what_protobuf_itself_writes_for_the_same_message():
-    """`step_xspace` writes protobuf's wire format by hand: parsed by protobuf and written again by it (fields
-    in number order), a real traced step with memory comes back byte for byte."""
+def traced_step():
+    """A real traced step (forward and backward of a small model), with memory: step 0."""
     import torch
 
     from hookprof.run_options import RunOptions, TraceLevel
@@ -133,7 +136,13 @@ def test_the_hand_encoded_xspace_is_what_protobuf_itself_writes_for_the_same_mes
     model(torch.randn(4, 8)).sum().backward()
     stats = tracer.stop()
     stats.step = 0  # group_id 0 must be written (a oneof)
-    data = xplane.step_xspace(stats, "host")
+    return stats
+
+
+def test_the_hand_encoded_xspace_is_what_protobuf_itself_writes_for_the_same_message():
+    """`step_xspace` writes protobuf's wire format by hand: parsed by protobuf and written again by it (fields
+    in number order), a real traced step with memory comes back byte for byte."""
+    data = xplane.step_xspace(traced_step(), "host")
     space = xspace.parse_xspace(data)
     assert space.SerializeToString(deterministic=True) == data
     names = {entry.key: entry.value.name for entry in space.planes[0].event_metadata}
@@ -165,6 +174,39 @@ def test_a_repeated_fields_events_written_together_are_what_protobuf_reads_and_w
     assert parsed.SerializeToString() == together
     assert wire.delimited_each(field, payloads[:2]) == b"".join(wire.delimited(field, p) for p in payloads[:2])
     assert wire.joined([b"a", b"b"], [b"1", b""], [b"x", b"y"]) == [b"a1x", b"by"]
+
+
+def test_a_steps_fields_encoded_together_are_each_as_encoded_alone():
+    """`wire.int_fields` (a step's start times) and `wire.each_encoded` (its durations, each distinct one encoded
+    once) give each value's own field: zero left out, negatives as protobuf writes them, past int64."""
+    values = [0, 1, 127, 128, 2**42, -1, 0, 5, 2**63 - 1, 128, -2**63]
+    field = wire.tag(3, wire.VARINT)
+    alone = [wire.int_field(field, value) for value in values]
+    assert wire.int_fields(field, values) == wire.int_fields(field, np.array(values)) == alone
+    assert wire.int_fields(field, [2**64 - 1]) == [wire.int_field(field, 2**64 - 1)]
+    assert list(wire.each_encoded(np.array(values), functools.partial(wire.int_fields, field))) == alone
+    assert wire.int_fields(field, []) == [] and list(wire.each_encoded(np.array([], dtype=np.int64), list)) == []
+
+
+def test_a_threads_events_are_written_in_time_order_the_outer_first_however_they_came():
+    """xprof nests a line's events by their order: a thread's events that came out of order (shuffled, and one
+    starting with another that outlasts it after it) are written by start, the longer first, each with its own
+    metadata and stats."""
+    ordered = traced_step()
+    nodes = next(dev for dev in ordered.dev_stats if dev.device == xplane.HOST_PLANE).node_stats
+    early, late = sorted((node for node in nodes if node.category == "Op"), key=lambda node: node.start_ns)[:2]
+    assert nodes.index(early) < nodes.index(late)
+    late.start_ns, late.duration_ns = early.start_ns, early.duration_ns + 1  # (written before it, as its parent)
+    shuffled = copy.deepcopy(ordered)
+    random.Random(0).shuffle(next(dev for dev in shuffled.dev_stats if dev.device == xplane.HOST_PLANE).node_stats)
+    spaces = [xspace.parse_xspace(xplane.step_xspace(stats, "host")) for stats in (shuffled, ordered)]
+    lines = [[line for line in space.planes[0].lines if line.id != xplane.MEMORY_LINE_ID] for space in spaces]
+    for line in lines[0]:
+        times = [(event.offset_ps, -event.duration_ps) for event in line.events]
+        assert times == sorted(times) and len(set(times)) > 1
+    # the same events as the step in order writes (by their bytes: their metadata and stats with their times)
+    assert [sorted(e.SerializeToString() for e in line.events) for line in lines[0]] == \
+        [sorted(e.SerializeToString() for e in line.events) for line in lines[1]]
 
 
 def test_keep_last_removes_old_profile_runs_with_what_xprof_cached_and_a_refit_never_rewrites_one(tmp_dir):

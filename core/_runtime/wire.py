@@ -6,7 +6,8 @@ object per field too slow (the TensorBoard step graph, the Profile tab's XSpace)
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable
+import operator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -99,6 +100,21 @@ def joined(*columns: Iterable[bytes]) -> list[bytes]:
 def int_field(field_tag: bytes, value: int) -> bytes:
     """A varint field; proto3 leaves out zero (a field of a `oneof` is written by the caller even then)."""
     return field_tag + varint(value) if value else b""
+
+
+def int_fields(field_tag: bytes, values: list[int] | np.ndarray) -> list[bytes]:
+    """`int_field(field_tag, value)` of each of `values` (a step's start times), encoded together (`varints`)."""
+    fields = list(map(field_tag.__add__, varints(values)))
+    if 0 in values:  # (rare: proto3 leaves zero out, and bytes times False is empty)
+        fields = list(map(operator.mul, fields, map(bool, values)))
+    return fields
+
+
+def each_encoded(values: np.ndarray, encode: Callable[[np.ndarray], list[bytes]]) -> Iterator[bytes]:
+    """What `encode` makes (one field each) of each of `values`, made once per distinct value: a step's tens
+    of thousands of durations repeat a few thousand."""
+    distinct, each = np.unique(values, return_inverse=True)
+    return map(encode(distinct).__getitem__, each.tolist())
 
 
 def str_field(field_tag: bytes, text: str) -> bytes:

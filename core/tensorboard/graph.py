@@ -17,11 +17,26 @@ made once per step here.
 
 from __future__ import annotations
 
+import itertools
+import operator
 import re
 from typing import Any
 
+import numpy as np
+
 from hookprof._runtime.gc_pause import paused_gc
-from hookprof._runtime.wire import SIZES, delimited, int_field, str_field, varint, varints
+from hookprof._runtime.wire import (
+    SIZES,
+    delimited,
+    delimited_each,
+    each_encoded,
+    int_field,
+    int_fields,
+    joined,
+    str_field,
+    varint,
+    varints,
+)
 from hookprof.step_stats import KernelsOf, StepShape, StepStats
 from hookprof.trace import format as fmt
 
@@ -187,44 +202,32 @@ def graph_and_run_metadata(stats: StepStats, names: GraphNames | None = None, sh
         return parts[0], _run_metadata(stats, parts[1])
 
 
-# Per device of a step: its DeviceStepStats.device field and, per node, None for a node that is no op, else its
-# NodeExecStats' fields before and after its times (node_name; memory, output, timeline_label and thread_id)
-_Untimed = list[tuple[bytes, list[tuple[bytes, bytes] | None]]]
+# Per device of a step: its DeviceStepStats.device field, whether each of its nodes is an op (has stats), and each
+# op's NodeExecStats fields before and after its times (node_name; memory, output, timeline_label and thread_id)
+_Untimed = list[tuple[bytes, list[bool], list[bytes], list[bytes]]]
+_START_NS, _DURATION_NS = operator.attrgetter("start_ns"), operator.attrgetter("duration_ns")
 
 
 def _run_metadata(stats: StepStats, untimed: _Untimed) -> bytes:
-    """The step's serialised RunMetadata: its nodes' `untimed` fields (`_graph_and_untimed_stats`) around their
-    times, NodeExecStats all_start_micros (2), op_end_rel_micros (4) and all_end_rel_micros (5)."""
-    durations: dict[int, bytes] = {}
-    sizes = SIZES
+    """The step's serialised RunMetadata: its ops' `untimed` fields (`_graph_and_untimed_stats`) around their
+    times, NodeExecStats all_start_micros (2), op_end_rel_micros (4) and all_end_rel_micros (5), joined column
+    by column: iterated by C, where a step has tens of thousands of ops."""
     devices = []
-    for dev, (device_field, fields) in zip(stats.dev_stats, untimed):
-        node_stats = [device_field]
-        for node, node_fields, start in zip(dev.node_stats, fields, _start_fields(dev.node_stats)):
-            if node_fields is not None:
-                micros = max(1, node.duration_ns // 1000)
-                body = (node_fields[0] + start + (durations.get(micros) or _duration(micros, durations))
-                        + node_fields[1])
-                size = len(body)  # DeviceStepStats.node_stats (2)
-                node_stats.append(b"\x12" + (sizes[size] if size < 2048 else varint(size)) + body)
-        devices.append(delimited(b"\x0a", b"".join(node_stats)))  # StepStats.dev_stats (1)
+    for dev, (device_field, is_op, names, rest) in zip(stats.dev_stats, untimed):
+        ops = list(itertools.compress(dev.node_stats, is_op))
+        # microseconds since the epoch; compute times of at least 1
+        starts = int_fields(b"\x10", np.fromiter(map(_START_NS, ops), np.int64, len(ops)) // 1000)
+        micros = np.maximum(np.fromiter(map(_DURATION_NS, ops), np.int64, len(ops)) // 1000, 1)
+        durations = each_encoded(micros, _durations)
+        node_stats = delimited_each(b"\x12", joined(names, starts, durations, rest))
+        devices.append(delimited(b"\x0a", device_field + node_stats))  # StepStats.dev_stats (1): DeviceStepStats
     # RunMetadata.step_stats (1), set once a device is added
     return delimited(b"\x0a", b"".join(devices)) if devices else b""
 
 
-def _start_fields(nodes: list[Any]) -> list[bytes]:
-    """NodeExecStats.all_start_micros (2) of each node (microseconds since the epoch; proto3 leaves out 0),
-    encoded together (`varints`)."""
-    return [b"\x10" + start if start != b"\x00" else b""
-            for start in varints([node.start_ns // 1000 for node in nodes])]
-
-
-def _duration(micros: int, durations: dict[int, bytes]) -> bytes:
-    """NodeExecStats.op_end_rel_micros (4) and all_end_rel_micros (5): the op's compute time (`durations`:
-    those fields by their value)."""
-    fields = varint(micros)
-    fields = durations[micros] = b"\x20%s\x28%s" % (fields, fields)
-    return fields
+def _durations(micros: np.ndarray) -> list[bytes]:
+    """NodeExecStats.op_end_rel_micros (4) and all_end_rel_micros (5) of each compute time in `micros`."""
+    return [b"\x20%s\x28%s" % (fields, fields) for fields in varints(micros)]
 
 
 def _graph_and_untimed_stats(stats: StepStats, named: dict[tuple[str, str], tuple[bytes, bytes]]
@@ -254,12 +257,11 @@ def _graph_and_untimed_stats(stats: StepStats, named: dict[tuple[str, str], tupl
     untimed: _Untimed = []
     for dev in stats.dev_stats:
         own = _Signatures(tf_device(dev.device).encode())
-        shaped: list[tuple[bytes, bytes] | None] = []
-        untimed.append((delimited(b"\x0a", own.device) if own.device else b"", shaped))  # DeviceStepStats.device (1)
-        for node in dev.node_stats:
-            if node.category != fmt.CAT_OP:
-                shaped.append(None)
-                continue
+        is_op = [node.category == fmt.CAT_OP for node in dev.node_stats]
+        names: list[bytes] = []
+        rest: list[bytes] = []
+        untimed.append((delimited(b"\x0a", own.device) if own.device else b"", is_op, names, rest))  # device (1)
+        for node in itertools.compress(dev.node_stats, is_op):
             name_field = (named.get((node.node_name, node.phase)) or name_of.new(node))[1]
             key = None
             if node.outputs:  # (a step's nodes share their tensors' descriptions: each key made once)
@@ -286,7 +288,8 @@ def _graph_and_untimed_stats(stats: StepStats, named: dict[tuple[str, str], tupl
             if nbytes is not None:
                 outputs = delimited(b"\x32", str_field(b"\x0a", shared.device.decode()) + int_field(b"\x10", nbytes) +
                                     int_field(b"\x18", nbytes)) + outputs
-            shaped.append((name_field, outputs + label))
+            names.append(name_field)
+            rest.append(outputs + label)
     return b"".join(graph), untimed
 
 

@@ -34,21 +34,27 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import itertools
+import operator
 import struct
 from collections.abc import Iterable
 from typing import Any
 
+import numpy as np
 import orjson
 
 from hookprof._runtime.gc_pause import paused_gc
 from hookprof._runtime.wire import (
     FIXED64,
     LENGTH_DELIMITED,
-    SIZES,
     VARINT,
     delimited,
+    delimited_each,
+    each_encoded,
     int_field,
+    int_fields,
+    joined,
     tag,
     varint,
     varints,
@@ -204,6 +210,7 @@ _SPACE_PLANE, _SPACE_HOSTNAME = tag(1, LENGTH_DELIMITED), tag(4, LENGTH_DELIMITE
 # a map entry's key (1) and value (2); the metadata's own id (1) and name (2)
 _KEY, _VALUE, _ID, _NAME = tag(1, VARINT), tag(2, LENGTH_DELIMITED), tag(1, VARINT), tag(2, LENGTH_DELIMITED)
 _DISPLAY_NAME = tag(4, LENGTH_DELIMITED)  # XEventMetadata.display_name
+_START_NS, _DURATION_NS = operator.attrgetter("start_ns"), operator.attrgetter("duration_ns")
 
 
 class _Plane:
@@ -365,12 +372,18 @@ def _step_xspace(stats: StepStats, hostname: str, shape: StepShape | None = None
     data_wait = None if train is None else min(
         (n for n in spans if n.op == fmt.DATA_WAIT and n.start_ns < train.start_ns),
         key=lambda n: n.start_ns, default=None)
+    threads: dict[int, list[NodeExecStats]] = {}
+    for node in nodes:
+        threads.setdefault(node.thread_id, []).append(node)
+    thread_names = host.thread_names if host is not None else {}
+    step_thread = _step_thread(thread_names)
+    lines = [(tid, *_line(threads[tid])) for tid in sorted(threads, key=lambda t: (t != step_thread, t))]
     devices = _cuda_kernels(stats)
     kernels = [k for _, streams in devices for stream in streams.values() for k in stream]
-    times = [n.start_ns for n in nodes] + [s.ts_ns for s in stats.memory_samples] + [k.start_ns for k in kernels]
-    base = min(times, default=0)
-    end = max([n.start_ns + n.duration_ns for n in nodes + kernels] + [s.ts_ns for s in stats.memory_samples],
-              default=base)
+    samples = [s.ts_ns for s in stats.memory_samples]
+    base = min([int(starts[0]) for _, _, starts, _ in lines] + samples + [k.start_ns for k in kernels], default=0)
+    end = max([int((starts + durations).max()) for _, _, starts, durations in lines] + samples
+              + [k.start_ns + k.duration_ns for k in kernels], default=base)
     # the step as xprof sees one: from the data wait's start (input time) to the step's end
     step_span = None
     if train is not None:
@@ -380,40 +393,28 @@ def _step_xspace(stats: StepStats, hostname: str, shape: StepShape | None = None
 
     plane = _Plane(1, HOST_PLANE)
     group = plane.stat(GROUP_ID, step)
-    threads: dict[int, list[NodeExecStats]] = {}
-    for node in nodes:
-        threads.setdefault(node.thread_id, []).append(node)
-    thread_names = host.thread_names if host is not None else {}
-    step_thread = _step_thread(thread_names)
     marker_event = None  # (the step thread's line comes first, the marker first in it)
     if step_thread in threads and step_span is not None:
         marker_event = _event(plane.event_id(marker), (step_span[0] - base) * 1000,
                               (step_span[1] - step_span[0]) * 1000,
                               group + plane.stat(STEP_NAME, marker) + plane.stat(STEP_NUM, step))
     plane.fix()
-    lines = [(tid, sorted(threads[tid], key=lambda n: (n.start_ns, -n.duration_ns)))
-             for tid in sorted(threads, key=lambda t: (t != step_thread, t))]
     kept = None if shape is None else shape.recall("xspace")
     if kept is not None and not kept.fits(plane, lines, threads):
         kept = None
     made = _ShapedHost(plane.fixed, []) if shape is not None and kept is None else None
-    durations: dict[int, bytes] = {}  # a duration in ns -> its field
     described: dict[tuple, tuple[bytes, bytes]] = {}  # what nodes alike have: their metadata and stats but group
     unscoped: dict[tuple, tuple[bytes, bytes]] = {}  # the same but their scope: the stats around it
     shapes_json: dict[int, bytes] = {}  # id(a node's input shapes) -> them as JSON (the nodes hold them)
-    line_event, sizes, skip = _LINE_EVENT, SIZES, len(group)
-    for number, (tid, line_nodes) in enumerate(lines):
-        events = [marker_event] if tid == step_thread and marker_event is not None else []
-        offsets = varints([(node.start_ns - base) * 1000 for node in line_nodes])
-        parts = kept.lines[number] if kept is not None else []
-        if made is not None:
-            made.lines.append(parts)
-        for node, offset, part in zip(line_nodes, offsets, parts or itertools.repeat(None)):
-            if node.category == fmt.CAT_SPAN and node.op == fmt.TRAIN_STEP:
-                if made is not None:
-                    parts.append(None)
-                continue  # the marker above holds it
-            if part is None:  # (a step not of the last one's shape)
+    skip = len(group)
+    for number, (tid, line_nodes, starts, durations) in enumerate(lines):
+        if kept is not None:
+            evented, heads, tails = kept.lines[number]
+        else:  # (a step not of the last one's shape: its nodes' metadata and stats, looked up per node)
+            evented = np.array([node.category != fmt.CAT_SPAN or node.op != fmt.TRAIN_STEP for node in line_nodes],
+                               dtype=bool)  # (the marker holds the step's span)
+            heads, tails = [], []
+            for node in itertools.compress(line_nodes, evented):
                 # nodes alike share their metadata and stats (the dtypes list is one per signature: kineto_trace)
                 shapes = None
                 if node.input_shapes:  # (kineto's steps share one list per signature: serialised once)
@@ -425,20 +426,20 @@ def _step_xspace(stats: StepStats, hostname: str, shape: StepShape | None = None
                 if part is None:  # (the nodes, so their lists, live as long as this: ids are not reused)
                     key, node_stats = _node_stats(plane, node, group, shapes, unscoped)
                     part = described[signature] = (_event_head(key), node_stats[skip:])  # (it starts with group)
-                if made is not None:
-                    parts.append(part)
-            duration = durations.get(node.duration_ns)
-            if duration is None:
-                duration = durations[node.duration_ns] = _duration(node.duration_ns * 1000)
-            # (`_event`, inlined: this runs for every event; its metadata's part and duration made once)
-            body = part[0] + offset + duration + group + part[1]
-            size = len(body)
-            events.append(line_event + (sizes[size] if size < 2048 else varint(size)) + body)
-        plane.add_line(tid, thread_names.get(tid, f"thread {tid}"), events)
+                heads.append(part[0])
+                tails.append(part[1])
+            if made is not None:
+                made.lines.append((evented, heads, tails))
+        # the events around their times, column by column: iterated by C, where a step has tens of thousands
+        offsets = varints((starts[evented] - base) * 1000)  # (int64 picoseconds: 106 days)
+        duration_fields = each_encoded(durations[evented] * 1000, functools.partial(int_fields, _EVENT_DURATION))
+        events = delimited_each(_LINE_EVENT, joined(heads, offsets, duration_fields, itertools.repeat(group), tails))
+        plane.add_line(tid, thread_names.get(tid, f"thread {tid}"),
+                       [marker_event, events] if tid == step_thread and marker_event is not None else [events])
     if kept is not None:
         plane.intern(kept.events, kept.stats, kept.metadata)
     elif made is not None:
-        made.in_order = all(line == threads[tid] for tid, line in lines)
+        made.in_order = all(line == threads[tid] for tid, line, _, _ in lines)
         made.touched = plane.touched
         made.events, made.stats = plane.interned_since_fixed()
     _add_memory(plane, stats, base, group)
@@ -462,31 +463,42 @@ def _step_xspace(stats: StepStats, hostname: str, shape: StepShape | None = None
 
 @dataclasses.dataclass
 class _ShapedHost:
-    """What the host plane of a step's XSpace took from its shape: per line, per node in line order, its event's
-    metadata field and its stats but the step's `group_id` (None for the step's span, which the marker holds);
+    """What the host plane of a step's XSpace took from its shape: per line, whether each node (in line order) is
+    an event (all but the step's span, which the marker holds), and each event's metadata field and its stats
+    but the step's `group_id` (`heads`, `tails`: the columns its times are joined between);
     the metadata its nodes interned, after the step's own (`fixed`: their counts), and its map entries, encoded
     (the metadata interned after them, of allocations, is the step's own); whether its nodes looked
     any of the step's own up (`touched`); whether each line's nodes were in the step's order."""
 
     fixed: tuple[int, int]
-    lines: list[list[tuple[bytes, bytes] | None]]
+    lines: list[tuple[np.ndarray, list[bytes], list[bytes]]]  # (evented, heads, tails)
     events: dict[str, int] = dataclasses.field(default_factory=dict)
     stats: dict[str, int] = dataclasses.field(default_factory=dict)
     metadata: tuple[bytes, ...] = ()  # their entries, encoded (events', stats')
     touched: bool = False
     in_order: bool = False
 
-    def fits(self, plane: _Plane, lines: list[tuple[int, list[NodeExecStats]]],
+    def fits(self, plane: _Plane, lines: list[tuple[int, list[NodeExecStats], np.ndarray, np.ndarray]],
              threads: dict[int, list[NodeExecStats]]) -> bool:
         """Whether a step of the same shape whose plane interned its own metadata (`fix()`ed) and whose lines
         are `lines` encodes its nodes as this one did: its lines' nodes in its order too (so in the same order
         as this one's), its own metadata as many, none of them interned by this one's nodes (a node's name
         equal to the new step's marker), and none of this one's looked up by its nodes."""
         return (self.in_order and not self.touched and plane.fixed == self.fixed
-                and all(line == threads[tid] for tid, line in lines)
+                and all(line == threads[tid] for tid, line, _, _ in lines)
                 and not any(name in self.events for name in plane._events)
                 and not any(name in self.stats for name in plane._stats))
 
+
+def _line(nodes: list[NodeExecStats]) -> tuple[list[NodeExecStats], np.ndarray, np.ndarray]:
+    """A thread's nodes in time order (of two that start together, the longer first: the outer one), and their
+    starts and durations (ns), sorted by numpy (a step has tens of thousands)."""
+    starts, durations = (np.fromiter(map(field, nodes), np.int64, len(nodes)) for field in (_START_NS, _DURATION_NS))
+    later, same = starts[1:] > starts[:-1], starts[1:] == starts[:-1]
+    if np.all(later | same & (durations[1:] <= durations[:-1])):  # (as they mostly come: their own order)
+        return nodes, starts, durations
+    order = np.lexsort((-durations, starts))  # (a stable sort, as `sorted`)
+    return list(map(nodes.__getitem__, order.tolist())), starts[order], durations[order]
 
 
 def _step_thread(thread_names: dict[int, str]) -> int | None:
