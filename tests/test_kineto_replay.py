@@ -103,9 +103,8 @@ def step_events(first_id, nested=True, late_update=True, sequences=(5, 5)):
 
 def converted(events, fit):
     stats = StepStats()
-    rows = []
-    by_id = _convert(kineto_events(events), 1_000_000, stats, True, False, rows, [], None, fit)
-    return stats, rows, by_id
+    rows = _convert(kineto_events(events), 1_000_000, stats, True, False, True, [], None, fit)
+    return stats, rows.rows(), rows.by_external_id()
 
 
 @pytest.mark.parametrize("change", ["nesting", "phase", "sequence numbers", "name", "shapes"])

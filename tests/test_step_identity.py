@@ -363,9 +363,9 @@ def test_a_step_whose_host_holds_more_than_its_ops_finds_its_arrows_anew():
              "args": {"correlation": 7}},
             {"ph": "i", "name": "[memory]", "ts": 1, "tid": 1, "args": {"Bytes": 64, "Addr": 100, "Device Type": 0}},
         ]
-        stats, rows, instants = StepStats(), [], []
-        by_id = _convert(kineto_events(events), 0, stats, True, False, rows, instants, Interned())
-        return stats, rows, instants, by_id
+        stats, instants = StepStats(), []
+        converted = _convert(kineto_events(events), 0, stats, True, False, True, instants, Interned())
+        return stats, converted.rows(), instants, converted
 
     _, rows, _, _ = step(8, 6)
     # empty makes a 64-byte tensor, relu reads it
@@ -373,8 +373,8 @@ def test_a_step_whose_host_holds_more_than_its_ops_finds_its_arrows_anew():
                                 [[], [(0, ("made", 0, 0), TensorDescription("float32", (16,), 64))]],
                                 [frozenset(), frozenset()], {0: [(64, "/host:CPU")]})
     for relu_at, runtime_at in ((8, 6), (6, 8)):  # (the runtime call before relu, then after it)
-        stats, rows, instants, by_id = step(relu_at, runtime_at)
-        assert borrow(template, stats, rows, instants, 0, by_id, True, False) is None
+        stats, _, instants, converted = step(relu_at, runtime_at)
+        assert borrow(template, stats, converted, instants, 0, True, False) is None
         assert [(e.producer.op, e.consumer.op) for e in stats.edges] == [("aten::empty", "aten::relu")]
 
 
@@ -402,9 +402,9 @@ def test_a_step_whose_backward_runs_on_a_thread_of_its_own_borrows_across_both()
             *(op("aten::pin_memory", 12 + i, 1, 3, 10 + i) for i in range(pinned)),
             {"ph": "i", "name": "[memory]", "ts": 2, "tid": 1, "args": {"Bytes": 64, "Addr": 100, "Device Type": 0}},
         ]
-        stats, rows, instants = StepStats(), [], []
-        by_id = _convert(kineto_events(events), 0, stats, True, False, rows, instants, Interned())
-        return stats, rows, instants, by_id
+        stats, instants = StepStats(), []
+        converted = _convert(kineto_events(events), 0, stats, True, False, True, instants, Interned())
+        return stats, converted.rows(), instants, converted
 
     _, rows, _, _ = step(1)
     own = _step_rows(rows)
@@ -420,8 +420,8 @@ def test_a_step_whose_backward_runs_on_a_thread_of_its_own_borrows_across_both()
                                 [frozenset(), frozenset(), frozenset({0}), frozenset(), frozenset()],
                                 {1: [(64, "/host:CPU")]})
     for pinned in (1, 2):
-        stats, rows, instants, by_id = step(pinned)
-        assert borrow(template, stats, rows, instants, 0, by_id, True, True) is None
+        stats, _, instants, converted = step(pinned)
+        assert borrow(template, stats, converted, instants, 0, True, True) is None
         assert sorted((e.producer.op, e.consumer.op, e.consumer.thread_id) for e in stats.edges) == [
             ("aten::relu", "aten::mul_", 1), ("aten::relu", "aten::threshold_backward", 2)]
         assert [(a.producer.op, a.nbytes, a.tensor) for a in stats.allocations] == [("aten::relu", 64, square)]

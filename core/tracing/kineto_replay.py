@@ -27,7 +27,7 @@ import numpy as np
 from hookprof._runtime.by_fit import ByFit
 from hookprof.step_stats import DeviceStepStats, NodeExecStats
 from hookprof.tracing.kineto_events import KinetoEvent
-from hookprof.tracing.step_identity import Row
+from hookprof.tracing.step_identity import Matched, Row, StepRows
 
 _NODE = operator.attrgetter("node_name", "op", "thread_id", "scope", "phase", "input_shapes", "input_dtypes",
                             "category", "args")
@@ -51,8 +51,7 @@ def memory_instants(events: list[KinetoEvent]) -> list[KinetoEvent]:
     return [event for event in events if event.ph != "X" and event.name == "[memory]"]
 
 
-_TID, _ARGS = operator.attrgetter("tid"), operator.attrgetter("args")
-_EXTERNAL_ID, _SEQUENCE = operator.attrgetter("external_id"), operator.attrgetter("sequence")
+_TID = operator.attrgetter("tid")
 
 
 def _times(spans: list[KinetoEvent], base: int) -> tuple[np.ndarray, np.ndarray]:
@@ -84,8 +83,8 @@ class Conversion:
     argument shapes and types), `ops` (the places of the ops: by External id).
     The nodes' fields are kept as columns (`_NODE`), put together again for each step replayed."""
 
-    __slots__ = ("signatures", "order", "threads", "columns", "parents", "popped", "by_rule", "backward",
-                 "sequences", "identity", "ops", "thread_names")
+    __slots__ = ("signatures", "order", "in_order", "threads", "columns", "parents", "popped", "by_rule", "backward",
+                 "sequences", "identity", "all_rows", "ops", "thread_names", "matched")
 
     def __init__(self, spans: list[KinetoEvent], signatures: list[tuple], base: int, nodes: list[NodeExecStats],
                  parents: list[int], popped: list[tuple[int, int]], by_rule: list[tuple[int, bool]],
@@ -95,6 +94,7 @@ class Conversion:
         starts, durations = _times(spans, base)
         self.threads = np.fromiter(map(_TID, spans), np.int64, len(spans))
         self.order = _order(starts, durations, self.threads)
+        self.in_order = bool(np.array_equal(self.order, np.arange(len(spans))))  # (kineto's export usually is)
         self.columns = tuple(map(list, zip(*map(_NODE, nodes)))) if nodes else ((),) * 9
         self.parents = np.array(parents, np.int64)
         self.popped = _pairs(popped)
@@ -102,14 +102,16 @@ class Conversion:
         self.backward = np.array(backward, np.int64)
         self.sequences = _sequences(spans)[self.order]
         self.identity = tuple(map(list, zip(*identity))) if identity else ((),) * 4
+        self.all_rows = self.identity[0] == list(range(len(nodes)))  # (every node a row: no CUDA runtime calls)
         self.ops = ops
         self.thread_names = dict(thread_names)
+        self.matched: Matched | None = None  # (what `borrow` found of its steps' ops: `StepRows`)
 
-    def replay(self, spans: list[KinetoEvent], signatures: list[tuple], base: int, host: DeviceStepStats,
-               rows_out: list[Row] | None) -> dict[int, NodeExecStats] | None:
-        """Convert a step whose `spans` (`signatures`) are this one's: its nodes onto `host`, its `Row`s into
-        `rows_out`; returns its ops by External id. None, with nothing done, where they differ, or where its
-        times order or nest its spans otherwise, or its sequence numbers are not this one's shifted."""
+    def replay(self, spans: list[KinetoEvent], signatures: list[tuple], base: int, host: DeviceStepStats
+               ) -> Replayed | None:
+        """Convert a step whose `spans` (`signatures`) are this one's: its nodes onto `host`; returns its rows
+        (`Replayed`). None, with nothing done, where they differ, or where its times order or nest its spans
+        otherwise, or its sequence numbers are not this one's shifted."""
         if signatures != self.signatures:
             return None
         starts, durations = _times(spans, base)
@@ -139,14 +141,42 @@ class Conversion:
         host.node_stats.extend(nodes)
         for tid, name in self.thread_names.items():
             host.thread_names.setdefault(tid, name)
-        external = list(map(_EXTERNAL_ID, map(_ARGS, map(spans.__getitem__, order.tolist()))))
+        return Replayed(self, nodes, spans if self.in_order else [spans[i] for i in order.tolist()])
+
+
+class Replayed(StepRows):
+    """The rows of a step converted as an earlier one was (`Conversion.replay`): made from its nodes and its
+    spans' External ids where first read (a borrowing step of the same ops and layout as the fit's last one
+    reads neither: `hookprof.tracing.step_identity.borrow`)."""
+
+    __slots__ = ("_nodes", "_spans")
+
+    def __init__(self, conversion: Conversion, nodes: list[NodeExecStats], spans: list[KinetoEvent]) -> None:
+        super().__init__(None, None, conversion)  # type: ignore[arg-type]
+        self._nodes, self._spans = nodes, spans  # (its spans in start order, as its nodes)
+
+    def _external(self) -> list[Any]:
+        external = [e.args.external_id for e in self._spans]
         if None in external:  # (as the conversion has them: 0 for an op without one)
             external = [0 if value is None else value for value in external]
-        if rows_out is not None:
-            at, names, dims, types = self.identity
-            rows_out.extend(map(_new_row, zip(map(nodes.__getitem__, at), map(external.__getitem__, at),
-                                              map(threads.__getitem__, at), names, dims, types)))
-        return dict(zip(map(external.__getitem__, self.ops), map(nodes.__getitem__, self.ops)))
+        return external
+
+    def rows(self) -> list[Row]:
+        if self._rows is None:
+            conversion, nodes, external = self.source, self._nodes, self._external()
+            at, names, dims, types = conversion.identity
+            threads = conversion.columns[2]
+            self._rows = list(map(_new_row, zip(nodes, external, threads, names, dims, types)
+                                  if conversion.all_rows else
+                                  zip(map(nodes.__getitem__, at), map(external.__getitem__, at),
+                                      map(threads.__getitem__, at), names, dims, types)))
+        return self._rows
+
+    def by_external_id(self) -> dict[int, NodeExecStats]:
+        if self._by_external_id is None:
+            ops, nodes, external = self.source.ops, self._nodes, self._external()
+            self._by_external_id = dict(zip(map(external.__getitem__, ops), map(nodes.__getitem__, ops)))
+        return self._by_external_id
 
 
 def _pairs(pairs: list[tuple[int, int]]) -> np.ndarray:
@@ -156,7 +186,7 @@ def _pairs(pairs: list[tuple[int, int]]) -> np.ndarray:
 
 def _sequences(spans: list[KinetoEvent]) -> np.ndarray:
     """Each span's autograd sequence number (-1: none), in the export's order."""
-    return np.fromiter(map(_SEQUENCE, map(_ARGS, spans)), np.int64, len(spans))
+    return np.array([e.args.sequence for e in spans], np.int64)
 
 
 def _shifted(sequences: np.ndarray, recorded: np.ndarray) -> bool:
@@ -185,13 +215,13 @@ class FitConversions:
         self._matched = False
         self.off = False
 
-    def replay(self, spans: list[KinetoEvent], signatures: list[tuple], base: int, host: DeviceStepStats,
-               rows_out: list[Row] | None) -> dict[int, NodeExecStats] | None:
+    def replay(self, spans: list[KinetoEvent], signatures: list[tuple], base: int, host: DeviceStepStats
+               ) -> Replayed | None:
         """`Conversion.replay` with the first of the fit's kept conversions that fits the step (None where none
         does), counted."""
         kept = list(self.kept)  # (another thread may convert one of the fit's steps meanwhile)
         for conversion in kept:
-            replayed = conversion.replay(spans, signatures, base, host, rows_out)
+            replayed = conversion.replay(spans, signatures, base, host)
             if replayed is not None:
                 self._matched, self._missed = True, 0
                 if conversion is not kept[0]:

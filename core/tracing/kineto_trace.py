@@ -39,6 +39,7 @@ from hookprof.tracing.step_identity import (
     TEMPLATES,
     Interned,
     Row,
+    StepRows,
     add_tree_records,
     borrow,
     build_template,
@@ -103,7 +104,6 @@ class KinetoExport:
             raw = f.read()
         options = self.options
         mode, token = self.identity or (None, "")
-        rows: list[Row] | None = [] if mode is not None else None
         instants: list[KinetoEvent] | None = [] if mode == BORROW else None
         template = TEMPLATES.recall(token) if mode == BORROW else None
         # a borrowing step's argument lists are its template's own objects where equal: signatures compare at once
@@ -113,24 +113,24 @@ class KinetoExport:
             base = data.baseTimeNanoseconds
             if data.deviceProperties:  # each GPU's model and capabilities
                 stats.metadata[fmt.DEVICE_PROPERTIES] = data.deviceProperties
-            by_external_id = _convert(data.traceEvents, base, stats, options.records_tensors,
-                                      options.with_stack, rows, instants, interned, self.fit)
+            converted = _convert(data.traceEvents, base, stats, options.records_tensors, options.with_stack,
+                                 mode is not None, instants, interned, self.fit)
             tree = self.tree
             if mode == RECORD and tree is not None:
-                TEMPLATES.remember(token, build_template(tree, rows, interned))
+                TEMPLATES.remember(token, build_template(tree, converted.rows(), interned))
             elif mode == BORROW:
                 tree = None  # (a borrowing step's identities are its template's)
                 reason = NO_TEMPLATE if template is None else borrow(
-                    template, stats, rows, instants, base, by_external_id, options.record_dataflow,
-                    options.record_memory)
+                    template, stats, converted, instants, base, options.record_dataflow, options.record_memory)
                 if reason is not None:
                     stats.metadata[DATAFLOW_MISSING] = reason
                     self.report_mismatch(reason)
             if tree is not None:
-                add_tree_records(tree, stats, by_external_id, options.record_dataflow, options.record_memory)
+                add_tree_records(tree, stats, converted.by_external_id(), options.record_dataflow,
+                                 options.record_memory)
             # freed while the collector is paused: the collection that its resuming starts looks at every object
             # made while paused and still alive, and the export's parsed events are most of them (0.1 s at 20k ops)
-            del data, rows, instants, by_external_id
+            del data, instants, converted
         return stats
 
 
@@ -196,15 +196,16 @@ def flops(name: str, dims: Any, types: Any, concrete: Any) -> int:
 
 
 def _convert(events: list[KinetoEvent], base: int, stats: StepStats, want_ids: bool = False,
-             with_stack: bool = False, rows_out: list[Row] | None = None,
+             with_stack: bool = False, want_rows: bool = False,
              instants_out: list[KinetoEvent] | None = None, interned: Interned | None = None,
-             fit: str | None = None) -> dict[int, NodeExecStats]:
+             fit: str | None = None) -> StepRows:
     """Turn kineto's exported events (times in microseconds after `base` ns) into NodeExecStats: scopes from
     module spans, phases from autograd and optimizer. With `with_stack`, each op gets its Python call
     stack (`args["stack"]`, outermost frame first) from the Python-function spans enclosing it on its
-    thread. With `want_ids`, returns the op nodes by their profiler id (the event tree's link to them: its
-    ops' `correlation_id`, the export's `External id`). `rows_out`, when given, gets each op and user span as a
-    `Row` in start order; `instants_out` the export's `[memory]` instants (`hookprof.tracing.step_identity`).
+    thread. Returns the step's rows (`StepRows`): with `want_ids`, its op nodes by their profiler id (the event
+    tree's link to them: its ops' `correlation_id`, the export's `External id`); with `want_rows`, each op and
+    user span as a `Row` in start order. `instants_out`, when given, gets the export's `[memory]` instants
+    (`hookprof.tracing.step_identity`).
     Ops share their argument lists (shapes, types, dtypes) where equal, from `interned` and added to it.
     A step of fit `fit` whose ops are the fit's last converted step's is converted as that one was
     (`hookprof.tracing.kineto_replay`); one converted here leaves its conversion for the next.
@@ -215,14 +216,15 @@ def _convert(events: list[KinetoEvent], base: int, stats: StepStats, want_ids: b
     conversions = CONVERSIONS.setdefault(fit, FitConversions) if fit is not None and not with_stack else None
     if conversions is not None and not conversions.off:
         spans, signatures = kineto_replay.signatures(events, _REPLAYED, _VALUED)
-        replayed = conversions.replay(spans, signatures, base, host, rows_out)
+        replayed = conversions.replay(spans, signatures, base, host)
         if replayed is not None:
             if instants_out is not None:
                 instants_out.extend(kineto_replay.memory_instants(events))
-            return replayed if want_ids else by_external_id
+            return replayed
         if not conversions.off:  # (still worth recording for the fit's next step)
             records = _Records(spans, signatures, conversions)
     rows = []
+    rows_out: list[Row] | None = [] if want_rows else None
     backward_end = 0  # the end of the step's last backward op: what starts after it is the optimizer's
     kernels: list[tuple[int, NodeExecStats]] = []  # (the launching op's External id, the kernel)
     host_activities = _HOST_ACTIVITIES | {"python_function"} if with_stack else _HOST_ACTIVITIES
@@ -378,9 +380,8 @@ def _convert(events: list[KinetoEvent], base: int, stats: StepStats, want_ids: b
             op = launchers.get(external_id)
             if op is not None:
                 kernel.args[fmt.ARG_LAUNCHED_BY] = op.node_name
-    if records is not None and not kernels:
-        records.keep(base, host)
-    return by_external_id
+    source = records.keep(base, host) if records is not None and not kernels else None
+    return StepRows(rows_out or [], by_external_id, source)
 
 
 class _Records:
@@ -398,18 +399,19 @@ class _Records:
         self.identity: list[tuple[int, str, Any, Any]] = []
         self.ops: list[int] = []
 
-    def keep(self, base: int, host: DeviceStepStats) -> None:
+    def keep(self, base: int, host: DeviceStepStats) -> kineto_replay.Conversion | None:
         """Keep the step's conversion for its fit's next step, where it can be replayed: its nodes are its spans
         (no CUDA runtime calls: their args are each step's own), and its sequence numbers are numbers."""
         if any(node.category == fmt.CAT_RUNTIME for node in host.node_stats):
-            return
+            return None
         try:
             conversion = kineto_replay.Conversion(self.spans, self.signatures, base, host.node_stats, self.parents,
                                                   self.popped, self.by_rule, self.backward, self.identity,
                                                   self.ops, host.thread_names)
         except (TypeError, ValueError, OverflowError):  # (sequence numbers, threads or times that are not numbers)
-            return
+            return None
         self.conversions.keep(conversion)
+        return conversion
 
 
 def _add_kernel(event: KinetoEvent, activity: str, base: int, stats: StepStats) -> tuple[int, NodeExecStats]:

@@ -34,7 +34,7 @@ import dataclasses
 import functools
 import operator
 from collections.abc import Hashable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -79,6 +79,44 @@ class Row(NamedTuple):
     name: str
     dims: list | None
     types: list | None
+
+
+class StepRows:
+    """A converted step's rows (`Row`s, in start order) and its ops by External id (the event tree's link to
+    them), as `borrow` and `add_tree_records` read them, and what converted it (`source`: a
+    `hookprof.tracing.kineto_replay.Conversion`, or None), on which `borrow` keeps what it found of the step's
+    ops (`Matched`): a later step converted as the same one was has the same ops, and is not compared with the
+    template again. A step so converted makes its rows and ids only where they are read (`Replayed`)."""
+
+    __slots__ = ("_rows", "_by_external_id", "source")
+
+    def __init__(self, rows: list[Row], by_external_id: dict[int, NodeExecStats], source: Any = None) -> None:
+        self._rows, self._by_external_id, self.source = rows, by_external_id, source
+
+    def rows(self) -> list[Row]:
+        return self._rows
+
+    def by_external_id(self) -> dict[int, NodeExecStats]:
+        return self._by_external_id
+
+    def matched(self, template: IdentityTemplate) -> Matched | None:
+        """What `borrow` found of the step's ops against `template`, where a step converted alike was borrowed
+        with it; else None."""
+        found = None if self.source is None else self.source.matched
+        return found if found is not None and found.template is template else None
+
+    def match(self, found: Matched) -> None:
+        if self.source is not None:
+            self.source.matched = found
+
+
+class Matched(NamedTuple):
+    """A step's ops were its template's (`_differs` found none that differ): whether its arrows can be taken by
+    place (`BorrowedStep`: its host's nodes are its ops alone, on one thread), and that thread."""
+
+    template: IdentityTemplate
+    by_place: bool
+    tid: int
 
 
 @dataclasses.dataclass
@@ -394,32 +432,38 @@ class BorrowedStep:
             add_memory(stats, allocations, block)
 
 
-def borrow(template: IdentityTemplate, stats: StepStats, rows: list[Row], instants: list[KinetoEvent], base: int,
-           nodes_by_id: dict[int, NodeExecStats], dataflow: bool, memory: bool) -> str | None:
+def borrow(template: IdentityTemplate, stats: StepStats, step: StepRows, instants: list[KinetoEvent], base: int,
+           dataflow: bool, memory: bool) -> str | None:
     """Give a step the arrows and memory records (those `dataflow` and `memory` ask for) that `template`'s
-    identities make of its own export (`rows`, its `[memory]` instants, its times after `base` ns); or say why
-    they do not fit it. A step of the layout of the fit's last borrowing step takes what that one found
+    identities make of its own export (`step`: its rows; its `[memory]` instants, its times after `base` ns); or
+    say why they do not fit it. A step of the layout of the fit's last borrowing step takes what that one found
     (`BorrowedStep`)."""
-    main = _step_rows(rows)
-    reason = _differs(template, main)
-    if reason is not None:
-        return reason
-    allocations, threads = memory_events(instants, base)
     host = stats.device(HOST_DEVICE)
-    layout = None
-    # (by place: the host's nodes must be its rows alone, or a node that is none, a CUDA runtime call say, could
-    # trade places with an op from one step to the next and leave the order of starts and ends as it was)
-    if len(stats.dev_stats) == 1 and len(main) == len(rows) == len(host.node_stats) and rows \
-            and main[0].tid == main[-1].tid:  # (one thread: `_step_rows` groups them)
-        layout = _layout(host.node_stats, allocations, threads, rows[0].tid)
+    matched = step.matched(template)
+    if matched is None:
+        rows = step.rows()
+        main = _step_rows(rows)
+        reason = _differs(template, main)
+        if reason is not None:
+            return reason
+        # (by place: the host's nodes must be its rows alone, or a node that is none, a CUDA runtime call say,
+        # could trade places with an op from one step to the next and leave the order of starts and ends as it
+        # was; one thread: `_step_rows` groups them)
+        by_place = bool(len(stats.dev_stats) == 1 and len(main) == len(rows) == len(host.node_stats) and rows
+                        and main[0].tid == main[-1].tid)
+        matched = Matched(template, by_place, rows[0].tid if rows else 0)
+        step.match(matched)
+    allocations, threads = memory_events(instants, base)
+    layout = _layout(host.node_stats, allocations, threads, matched.tid) if matched.by_place else None
     last = template.last
     if layout is not None and last is not None and last.recorded == (dataflow, memory) and last.layout == layout:
         last.give(stats, host.node_stats, allocations)
         return None
-    tree, reason = apply_template(template, main, rows, allocations, threads)
+    rows = step.rows()
+    tree, reason = apply_template(template, _step_rows(rows), rows, allocations, threads)
     if tree is None:
         return reason
-    add_tree_records(tree, stats, nodes_by_id, dataflow, memory)
+    add_tree_records(tree, stats, step.by_external_id(), dataflow, memory)
     if layout is not None:
         template.last = BorrowedStep(layout, (dataflow, memory), stats, host.node_stats)
     return None
