@@ -58,6 +58,19 @@ def counted_replays(monkeypatch):
     return replays
 
 
+def counted_recordings(monkeypatch):
+    """The conversions recorded for a fit's next steps (`kineto_replay.Conversion`), counted as they are made."""
+    recorded = []
+    made = kineto_replay.Conversion.__init__
+
+    def counted(self, *args):
+        recorded.append(True)
+        made(self, *args)
+
+    monkeypatch.setattr(kineto_replay.Conversion, "__init__", counted)
+    return recorded
+
+
 def fields(stats):
     """Every field of every node (times included), the threads' names and the step's metadata."""
     return ([(dev.device, [dataclasses.astuple(node) for node in dev.node_stats], dev.thread_names)
@@ -144,14 +157,7 @@ def test_a_step_whose_times_or_ops_decide_otherwise_is_converted_in_full(monkeyp
 def test_a_fit_whose_steps_are_never_converted_alike_stops_recording_them(monkeypatch):
     """Recording a step's conversion costs about half a conversion more: a fit whose steps never repeat their ops
     records none after `FitConversions.MISSES_MAX` misses in a row, and converts each step in full."""
-    recorded = []
-    made = kineto_replay.Conversion.__init__
-
-    def counted(self, *args):
-        recorded.append(True)
-        made(self, *args)
-
-    monkeypatch.setattr(kineto_replay.Conversion, "__init__", counted)
+    recorded = counted_recordings(monkeypatch)
     fit = "replay-test-never"
     for number in range(6):
         events = step_events(100 * number + 100)
@@ -177,3 +183,102 @@ def test_the_usual_steps_conversion_outlives_an_odd_step(monkeypatch):
     # odd one's did not)
     assert replays == [True, False, False, True, True]
     assert len(kineto_replay.CONVERSIONS.recall(fit).kept) == kineto_replay.FitConversions.KEPT
+
+
+def conv_step(first_id, stride):
+    """A step of one convolution, its stride among its scalar arguments (which its flops follow)."""
+    return [{"ph": "X", "cat": "cpu_op", "name": "aten::conv2d", "ts": 0, "dur": 10, "tid": 1,
+             "args": {"External id": first_id, "Sequence number": -1,
+                      "Input Dims": [[1, 3, 8, 8], [4, 3, 3, 3], [4], [], [], [], []],
+                      "Input type": ["float", "float", "float", "ScalarList", "ScalarList", "ScalarList", "Scalar"],
+                      "Concrete Inputs": ["", "", "", f"[{stride}, {stride}]", "[0, 0]", "[1, 1]", "1"]}}]
+
+
+def test_a_convolution_whose_stride_changed_is_converted_in_full(monkeypatch):
+    """A convolution's flops follow its scalar arguments (stride, padding, dilation, groups): a step whose
+    convolution's stride changed is not converted as the last one was, and counts its own flops."""
+    replays = counted_replays(monkeypatch)
+    fit = "replay-test-conv"
+    flops = []
+    for number, stride in enumerate((1, 1, 2)):
+        stats = converted(conv_step(100 * number + 100, stride), fit)[0]
+        assert fields(stats) == fields(converted(conv_step(100 * number + 100, stride), None)[0])
+        flops.append(stats.dev_stats[0].node_stats[0].args["flops"])
+    assert replays == [True, False]
+    assert flops[0] == flops[1] > flops[2] > 0
+
+
+def test_a_kept_conversion_holds_no_part_of_its_steps_export():
+    """The argument lists a kept conversion compares are its own copies: the export's bytes (about 10 MB at 20k
+    ops), which the decoded events' lists are views of, are not kept alive by it for the rest of the fit."""
+    import gc
+    import sys
+
+    import orjson
+
+    from hookprof.tracing.kineto_events import decode_trace
+
+    fit = "replay-test-export"
+    events = conv_step(100, 1) + step_events(200)
+    for event in events:
+        event["args"].setdefault("Input Dims", [[4, 8]])
+        event["args"].setdefault("Input type", ["float"])
+    raw = orjson.dumps({"traceEvents": events})
+    held = sys.getrefcount(raw)
+    decoded = decode_trace(raw)
+    assert sys.getrefcount(raw) > held  # (the decoded lists are views of it)
+    _convert(decoded.traceEvents, 0, StepStats(), True, False, True, [], None, fit)
+    del decoded
+    gc.collect()
+    assert kineto_replay.CONVERSIONS.recall(fit).kept
+    assert sys.getrefcount(raw) == held
+
+
+def test_a_step_converted_as_one_whose_ops_fit_a_template_is_compared_with_a_new_template():
+    """What `borrow` found of a conversion's ops holds for the template it found it with: a step converted as
+    that one was, borrowing from a template made since (a walk again), is compared with the new one, and told
+    apart where its ops differ from it."""
+    from hookprof.step_stats import TensorDescription
+    from hookprof.tracing.step_identity import SIGNATURE, IdentityTemplate, borrow
+
+    def step(first_id):
+        events = [dict(span("aten::empty", 0, 5, first_id), args={"External id": first_id, "Input Dims": [[4]],
+                                                                   "Input type": ["float"]}),
+                  dict(span("aten::relu", 8, 1, first_id + 1), args={"External id": first_id + 1,
+                                                                      "Input Dims": [[4]], "Input type": ["float"]}),
+                  {"ph": "i", "name": "[memory]", "ts": 1, "tid": 1,
+                   "args": {"Bytes": 64, "Addr": 100, "Device Type": 0}}]
+        stats, instants = StepStats(), []
+        rows = _convert(kineto_events(events), 0, stats, True, False, True, instants, None, "replay-test-template")
+        return stats, rows, instants
+
+    def template(rows, relu="aten::relu"):
+        signatures = [row[SIGNATURE] for row in rows.rows()]
+        signatures[1] = (relu, *signatures[1][1:])
+        return IdentityTemplate(signatures, [[], [(0, ("made", 0, 0), TensorDescription("float32", (16,), 64))]],
+                                [frozenset(), frozenset()], {0: [(64, "/host:CPU")]})
+
+    stats, rows, instants = step(100)
+    first = template(rows)
+    assert borrow(first, stats, rows, instants, 0, True, False) is None
+    stats, rows, instants = step(200)
+    assert isinstance(rows, kineto_replay.Replayed) and rows.matched(first) is not None
+    assert borrow(first, stats, rows, instants, 0, True, False) is None and len(stats.edges) == 1
+    walked_again = template(rows, relu="aten::gelu")  # (a template whose second op is another)
+    stats, rows, instants = step(300)
+    reason = borrow(walked_again, stats, rows, instants, 0, True, False)
+    assert reason is not None and "aten::relu" in reason and not stats.edges
+
+
+def test_a_fit_whose_steps_run_kernels_records_none_of_them(monkeypatch):
+    """A step with kernels carries each launch's correlation id in its args: no two convert alike, so the fit's
+    first such step stops the recording (which costs half a conversion more), not a miss after a miss."""
+    recorded = counted_recordings(monkeypatch)
+    fit = "replay-test-kernels"
+    for number in range(3):
+        events = step_events(100 * number + 100)
+        events.append({"ph": "X", "cat": "kernel", "name": "gemm", "ts": 3, "dur": 2, "tid": 7,
+                       "args": {"device": 0, "stream": 7, "correlation": number, "External id": 100 * number + 101}})
+        stats = converted(events, fit)[0]
+        assert fields(stats) == fields(converted(events, None)[0])
+    assert kineto_replay.CONVERSIONS.recall(fit).off and not recorded

@@ -93,7 +93,6 @@ def forget_here(name: str, token: str) -> None:
         store.forget(token)
 
 
-
 def held_here(name: str) -> list[str]:
     """The tokens of the fits whose values store `name` holds in this process (run in the render worker by
     `WORKER.call`), oldest first."""

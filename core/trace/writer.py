@@ -169,11 +169,12 @@ class ChromeTraceWriter:
         self.max_events = arguments.check_optional_cap("ChromeTraceWriter", "max_events", max_events)
 
     def events(self, stats: StepStats, process_prefix: str = "", base: int | None = None,
-               shape: StepShape | None = None) -> Iterator[dict[str, Any] | orjson.Fragment]:
+               shape: StepShape | None = None) -> Iterator[dict[str, Any] | Serialised]:
         """The trace events of `stats`: metadata first, then ops, flows and memory; times from `base` (ns,
         default the step's first event). Argument shapes and sizes are `orjson.Fragment`s (JSON serialised
         once per signature and shared): serialise the events with orjson. With the step's `shape`, the op
-        events and the dataflow arrows come serialised (`_shaped_op_events`, `_shaped_tensor_flows`)."""
+        events and the dataflow arrows come as runs of serialised events (`Serialised`: `_shaped_op_events`,
+        `_shaped_tensor_flows`), which `serialize_trace` writes as they are."""
         if base is None:
             base = stats.start_ns() or 0
         for pid, dev in enumerate(stats.dev_stats):

@@ -11,8 +11,11 @@ own times, External ids and sequence numbers, without going through its events o
 step with kernels or Python stacks, ops that differ, times that nest otherwise) is converted in full, and leaves
 its own.
 
-What a fit keeps here is one step's conversion (`CONVERSIONS`, by the fit's token, released when the fit
-ends), where its steps are converted (the render worker, or the training process without one). torch-free.
+What a fit keeps here is its last two kinds of steps' conversions (`CONVERSIONS`, by the fit's token, released
+when the fit ends; about 0.5 KB a node each), where its steps are converted (the render worker, or the training
+process without one). A replayed step's nodes share the kept argument lists and args dicts (`{"flops": n}`)
+with the step they were converted from, as a borrowing step's share its template's argument lists: nothing
+changes a converted step's nodes. torch-free.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import itertools
 import operator
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from hookprof._runtime.by_fit import ByFit
@@ -84,13 +88,13 @@ class Conversion:
     The nodes' fields are kept as columns (`_NODE`), put together again for each step replayed."""
 
     __slots__ = ("signatures", "order", "in_order", "threads", "columns", "parents", "popped", "by_rule", "backward",
-                 "sequences", "identity", "all_rows", "ops", "thread_names", "matched")
+                 "sequences", "identity", "all_rows", "ops", "thread_names", "matched", "interned")
 
     def __init__(self, spans: list[KinetoEvent], signatures: list[tuple], base: int, nodes: list[NodeExecStats],
                  parents: list[int], popped: list[tuple[int, int]], by_rule: list[tuple[int, bool]],
                  backward: list[int], identity: list[tuple[int, str, Any, Any]], ops: list[int],
-                 thread_names: dict[int, str]) -> None:
-        self.signatures = signatures
+                 thread_names: dict[int, str], interned: Any = None) -> None:
+        self.signatures = _detached(signatures)
         starts, durations = _times(spans, base)
         self.threads = np.fromiter(map(_TID, spans), np.int64, len(spans))
         self.order = _order(starts, durations, self.threads)
@@ -106,6 +110,9 @@ class Conversion:
         self.ops = ops
         self.thread_names = dict(thread_names)
         self.matched: Matched | None = None  # (what `borrow` found of its steps' ops: `StepRows`)
+        # its step's argument lists (`step_identity.Interned`), which a step converted as it was shares: a
+        # template made from such a step takes them
+        self.interned = interned
 
     def replay(self, spans: list[KinetoEvent], signatures: list[tuple], base: int, host: DeviceStepStats
                ) -> Replayed | None:
@@ -179,6 +186,24 @@ class Replayed(StepRows):
         return self._by_external_id
 
 
+def _detached(signatures: list[tuple]) -> list[tuple]:
+    """`signatures` holding their own copies of the export's argument lists (`msgspec.Raw` views of the whole
+    export's bytes, which they would keep alive as long as the conversion is kept), one per distinct list."""
+    copies: dict[bytes, msgspec.Raw] = {}
+
+    def own(raw: Any) -> Any:
+        if not isinstance(raw, msgspec.Raw):
+            return raw
+        key = bytes(raw)
+        copy = copies.get(key)
+        if copy is None:
+            copy = copies[key] = raw.copy()
+        return copy
+
+    return [(category, name, tid, own(dims), own(types), own(concrete))
+            for category, name, tid, dims, types, concrete in signatures]
+
+
 def _pairs(pairs: list[tuple[int, int]]) -> np.ndarray:
     """Pairs of ints as an array of two columns (made column by column: faster than from the tuples)."""
     return np.array(list(zip(*pairs)), np.int64).T if pairs else np.zeros((0, 2), np.int64)
@@ -203,7 +228,8 @@ class FitConversions:
     """The last `KEPT` conversions of a fit's steps of different ops (`kept`, newest first), where its steps are
     converted (an odd step, an epoch's last one say, leaves the usual one's kept for the next), and whether its
     steps are still worth recording: a fit whose steps were never converted again after `MISSES_MAX` tries in
-    a row (ops that change from step to step) records no more (recording costs a conversion about half again)."""
+    a row (ops that change from step to step), or whose steps cannot be (`stop`), records no more (recording
+    costs a conversion about half again)."""
 
     __slots__ = ("kept", "_missed", "_matched", "off")
     KEPT = 2
@@ -237,6 +263,11 @@ class FitConversions:
         """A step's conversion, replayed first for the fit's next step."""
         if not self.off:
             self.kept = [conversion, *self.kept[:self.KEPT - 1]]
+
+    def stop(self) -> None:
+        """The fit's steps cannot be converted again (a step with kernels or CUDA runtime calls, whose args are
+        each step's own): none is recorded any more."""
+        self.off, self.kept = True, []
 
 
 # Where this process converts steps (the render worker, or a training process without one), what each fit's

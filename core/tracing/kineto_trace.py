@@ -115,6 +115,8 @@ class KinetoExport:
                 stats.metadata[fmt.DEVICE_PROPERTIES] = data.deviceProperties
             converted = _convert(data.traceEvents, base, stats, options.records_tensors, options.with_stack,
                                  mode is not None, instants, interned, self.fit)
+            if isinstance(converted, kineto_replay.Replayed) and converted.source.interned is not None:
+                interned = converted.source.interned  # (its nodes' argument lists: a template made of it shares them)
             tree = self.tree
             if mode == RECORD and tree is not None:
                 TEMPLATES.remember(token, build_template(tree, converted.rows(), interned))
@@ -207,8 +209,8 @@ def _convert(events: list[KinetoEvent], base: int, stats: StepStats, want_ids: b
     user span as a `Row` in start order. `instants_out`, when given, gets the export's `[memory]` instants
     (`hookprof.tracing.step_identity`).
     Ops share their argument lists (shapes, types, dtypes) where equal, from `interned` and added to it.
-    A step of fit `fit` whose ops are the fit's last converted step's is converted as that one was
-    (`hookprof.tracing.kineto_replay`); one converted here leaves its conversion for the next.
+    A step of fit `fit` whose ops are those of one of the fit's last two converted steps is converted as that one
+    was (`hookprof.tracing.kineto_replay`); one converted here leaves its conversion for the next.
     """
     by_external_id: dict[int, NodeExecStats] = {}
     host = stats.device(HOST_DEVICE)
@@ -244,6 +246,9 @@ def _convert(events: list[KinetoEvent], base: int, stats: StepStats, want_ids: b
         elif activity in _KERNEL_ACTIVITIES:
             kernels.append(_add_kernel(event, activity, base, stats))
     rows.sort()
+    if kernels and records is not None:  # (each launch's correlation id is in its step's args)
+        records.conversions.stop()
+        records = None
     launchers: dict[int, NodeExecStats] | None = {} if kernels else None  # External id -> op, for kernels
 
     # per thread, the open events: (end_ns, scope, phase, optimizer scope, place in start order)
@@ -380,7 +385,7 @@ def _convert(events: list[KinetoEvent], base: int, stats: StepStats, want_ids: b
             op = launchers.get(external_id)
             if op is not None:
                 kernel.args[fmt.ARG_LAUNCHED_BY] = op.node_name
-    source = records.keep(base, host) if records is not None and not kernels else None
+    source = records.keep(base, host, interned) if records is not None else None
     return StepRows(rows_out or [], by_external_id, source)
 
 
@@ -399,16 +404,18 @@ class _Records:
         self.identity: list[tuple[int, str, Any, Any]] = []
         self.ops: list[int] = []
 
-    def keep(self, base: int, host: DeviceStepStats) -> kineto_replay.Conversion | None:
-        """Keep the step's conversion for its fit's next step, where it can be replayed: its nodes are its spans
-        (no CUDA runtime calls: their args are each step's own), and its sequence numbers are numbers."""
-        if any(node.category == fmt.CAT_RUNTIME for node in host.node_stats):
-            return None
+    def keep(self, base: int, host: DeviceStepStats, interned: Interned) -> kineto_replay.Conversion | None:
+        """Keep the step's conversion (with the argument lists its nodes share: `interned`) for its fit's next
+        step, where it can be replayed: its nodes are its spans (no CUDA runtime calls: their args are each
+        step's own), and its sequence numbers are numbers; else the fit records none any more."""
         try:
+            if any(node.category == fmt.CAT_RUNTIME for node in host.node_stats):
+                raise ValueError("CUDA runtime calls")
             conversion = kineto_replay.Conversion(self.spans, self.signatures, base, host.node_stats, self.parents,
                                                   self.popped, self.by_rule, self.backward, self.identity,
-                                                  self.ops, host.thread_names)
+                                                  self.ops, host.thread_names, interned)
         except (TypeError, ValueError, OverflowError):  # (sequence numbers, threads or times that are not numbers)
+            self.conversions.stop()
             return None
         self.conversions.keep(conversion)
         return conversion
