@@ -282,3 +282,34 @@ def test_a_fit_whose_steps_run_kernels_records_none_of_them(monkeypatch):
         stats = converted(events, fit)[0]
         assert fields(stats) == fields(converted(events, None)[0])
     assert kineto_replay.CONVERSIONS.recall(fit).off and not recorded
+
+
+def test_a_keras_fits_steps_converted_alike_equal_their_conversion_in_full(monkeypatch):
+    """Keras on torch (its own train step, Adam's scalars changing every step): each traced step converted as the
+    fit's last one was equals its conversion in full, field for field and in every output."""
+    import keras
+    import numpy as np
+
+    skip_where_cuda_started()
+    replays = counted_replays(monkeypatch)
+    steps = BothConversions(DATAFLOW)
+
+    class Traced(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            steps.on_train_batch_start(None, self.model, None, batch)
+
+        def on_train_batch_end(self, batch, logs=None):
+            steps.on_train_batch_end(None, self.model, None, None, batch)
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu", name="fc1"),
+                              keras.layers.Dense(1, name="fc2")])
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    rng = np.random.default_rng(0)
+    model.fit(rng.standard_normal((64, 8)).astype("float32"), rng.standard_normal((64, 1)).astype("float32"),
+              batch_size=8, epochs=1, callbacks=[Traced()], verbose=0)
+    assert len(steps.steps) == 8
+    for number, (full, converted) in enumerate(steps.steps):
+        assert fields(converted) == fields(full), number
+        assert rendered(converted) == rendered(full), number
+    assert sum(replays) >= len(steps.steps) // 2, replays
