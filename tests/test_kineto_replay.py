@@ -313,3 +313,19 @@ def test_a_keras_fits_steps_converted_alike_equal_their_conversion_in_full(monke
         assert fields(converted) == fields(full), number
         assert rendered(converted) == rendered(full), number
     assert sum(replays) >= len(steps.steps) // 2, replays
+
+
+def test_a_step_too_large_to_keep_leaves_no_conversion(monkeypatch):
+    """A step of more nodes than the renderers keep parts of (`ShapedParts.KEEP_NODES_MAX`) leaves no conversion
+    (about 0.4 KB a node, twice, for the rest of the fit), and its fit's later steps are not compared."""
+    from hookprof.step_stats import ShapedParts
+
+    recorded = counted_recordings(monkeypatch)
+    monkeypatch.setattr(ShapedParts, "KEEP_NODES_MAX", len(step_events(100)) - 1)
+    for number in range(3):
+        events = step_events(100 * number + 100)
+        assert fields(converted(events, "replay-test-large")[0]) == fields(converted(events, None)[0])
+    assert not recorded and kineto_replay.CONVERSIONS.recall("replay-test-large").off
+    monkeypatch.setattr(ShapedParts, "KEEP_NODES_MAX", len(step_events(100)))
+    converted(step_events(400), "replay-test-small")
+    assert recorded

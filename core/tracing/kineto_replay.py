@@ -12,7 +12,8 @@ step with kernels or Python stacks, ops that differ, times that nest otherwise) 
 its own.
 
 What a fit keeps here is its last two kinds of steps' conversions (`CONVERSIONS`, by the fit's token, released
-when the fit ends; about 0.5 KB a node each), where its steps are converted (the render worker, or the training
+when the fit ends; about 0.4 KB a node each, and none of a step of more nodes than the renderers keep parts of:
+`hookprof.step_stats.ShapedParts.KEEP_NODES_MAX`), where its steps are converted (the render worker, or the training
 process without one). A replayed step's nodes share the kept argument lists and args dicts (`{"flops": n}`)
 with the step they were converted from, as a borrowing step's share its template's argument lists: nothing
 changes a converted step's nodes. torch-free.
@@ -266,7 +267,7 @@ class FitConversions:
 
     def stop(self) -> None:
         """The fit's steps cannot be converted again (a step with kernels or CUDA runtime calls, whose args are
-        each step's own): none is recorded any more."""
+        each step's own), or are too large to keep: none is recorded, nor compared, any more."""
         self.off, self.kept = True, []
 
 

@@ -25,7 +25,7 @@ from typing import Any
 
 from hookprof._runtime.gc_pause import paused_gc
 from hookprof.run_options import RunOptions
-from hookprof.step_stats import DeviceStepStats, NodeExecStats, StepStats
+from hookprof.step_stats import DeviceStepStats, NodeExecStats, ShapedParts, StepStats
 from hookprof.trace import format as fmt
 from hookprof.tracing import kineto_replay
 from hookprof.tracing.kineto_events import KinetoEvent, decode_trace, decoded
@@ -223,7 +223,9 @@ def _convert(events: list[KinetoEvent], base: int, stats: StepStats, want_ids: b
             if instants_out is not None:
                 instants_out.extend(kineto_replay.memory_instants(events))
             return replayed
-        if not conversions.off:  # (still worth recording for the fit's next step)
+        if len(spans) > ShapedParts.KEEP_NODES_MAX:  # (too large to keep: about 0.4 KB a node)
+            conversions.stop()
+        elif not conversions.off:  # (still worth recording for the fit's next step)
             records = _Records(spans, signatures, conversions)
     rows = []
     rows_out: list[Row] | None = [] if want_rows else None
