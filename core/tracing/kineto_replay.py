@@ -39,16 +39,19 @@ _NODE = operator.attrgetter("node_name", "op", "thread_id", "scope", "phase", "i
 _new_row = functools.partial(tuple.__new__, Row)  # (a `Row` from a tuple, without its __new__'s Python call)
 
 
-def signatures(events: list[KinetoEvent], converted: frozenset[str], valued: frozenset[str]
-               ) -> tuple[list[KinetoEvent], list[tuple]]:
-    """The spans of `events` whose categories are `converted`, in the export's order, and each one's signature:
-    what two steps' spans must share for one to be converted as the other was (all but times and ids: category,
-    name, thread, argument shapes and types as the export writes them, and the values of scalar arguments of the
-    ops whose conversion reads them: `valued`; an optimizer's scalars change from step to step)."""
-    # (list comprehensions: faster here than `map` with `operator.attrgetter` over the records)
-    spans = [event for event in events if event.ph == "X" and event.cat in converted]
-    return spans, [(e.cat, e.name, e.tid, (a := e.args).dims, a.types, a.concrete if e.name in valued else None)
-                   for e in spans]
+def spans_of(events: list[KinetoEvent], converted: frozenset[str]) -> list[KinetoEvent]:
+    """The spans of `events` whose categories are `converted`, in the export's order."""
+    return [event for event in events if event.ph == "X" and event.cat in converted]
+
+
+def signatures(spans: list[KinetoEvent], valued: frozenset[str]) -> list[tuple]:
+    """Each span's signature: what two steps' spans must share for one to be converted as the other was (all but
+    times and ids: category, name, thread, argument shapes and types as the export writes them, and the values of
+    scalar arguments of the ops whose conversion reads them: `valued`; an optimizer's scalars change from step to
+    step)."""
+    # (a list comprehension: faster here than `map` with `operator.attrgetter` over the records)
+    return [(e.cat, e.name, e.tid, (a := e.args).dims, a.types, a.concrete if e.name in valued else None)
+            for e in spans]
 
 
 def memory_instants(events: list[KinetoEvent]) -> list[KinetoEvent]:

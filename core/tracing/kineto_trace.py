@@ -217,16 +217,18 @@ def _convert(events: list[KinetoEvent], base: int, stats: StepStats, want_ids: b
     records: _Records | None = None
     conversions = CONVERSIONS.setdefault(fit, FitConversions) if fit is not None and not with_stack else None
     if conversions is not None and not conversions.off:
-        spans, signatures = kineto_replay.signatures(events, _REPLAYED, _VALUED)
-        replayed = conversions.replay(spans, signatures, base, host)
-        if replayed is not None:
-            if instants_out is not None:
-                instants_out.extend(kineto_replay.memory_instants(events))
-            return replayed
+        spans = kineto_replay.spans_of(events, _REPLAYED)
         if len(spans) > ShapedParts.KEEP_NODES_MAX:  # (too large to keep: about 0.4 KB a node)
             conversions.stop()
-        elif not conversions.off:  # (still worth recording for the fit's next step)
-            records = _Records(spans, signatures, conversions)
+        else:
+            signatures = kineto_replay.signatures(spans, _VALUED)
+            replayed = conversions.replay(spans, signatures, base, host)
+            if replayed is not None:
+                if instants_out is not None:
+                    instants_out.extend(kineto_replay.memory_instants(events))
+                return replayed
+            if not conversions.off:  # (still worth recording for the fit's next step)
+                records = _Records(spans, signatures, conversions)
     rows = []
     rows_out: list[Row] | None = [] if want_rows else None
     backward_end = 0  # the end of the step's last backward op: what starts after it is the optimizer's
