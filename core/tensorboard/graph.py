@@ -18,7 +18,6 @@ made once per step here.
 from __future__ import annotations
 
 import itertools
-import operator
 import re
 from typing import Any
 
@@ -37,7 +36,7 @@ from hookprof._runtime.wire import (
     varint,
     varints,
 )
-from hookprof.step_stats import KernelsOf, StepShape, StepStats
+from hookprof.step_stats import KernelsOf, StepShape, StepStats, node_times
 from hookprof.trace import format as fmt
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.\-/>]")
@@ -205,7 +204,6 @@ def graph_and_run_metadata(stats: StepStats, names: GraphNames | None = None, sh
 # Per device of a step: its DeviceStepStats.device field, whether each of its nodes is an op (has stats), and each
 # op's NodeExecStats fields before and after its times (node_name; memory, output, timeline_label and thread_id)
 _Untimed = list[tuple[bytes, list[bool], list[bytes], list[bytes]]]
-_START_NS, _DURATION_NS = operator.attrgetter("start_ns"), operator.attrgetter("duration_ns")
 
 
 def _run_metadata(stats: StepStats, untimed: _Untimed) -> bytes:
@@ -216,8 +214,9 @@ def _run_metadata(stats: StepStats, untimed: _Untimed) -> bytes:
     for dev, (device_field, is_op, names, rest) in zip(stats.dev_stats, untimed):
         ops = list(itertools.compress(dev.node_stats, is_op))
         # microseconds since the epoch; compute times of at least 1
-        starts = int_fields(b"\x10", np.fromiter(map(_START_NS, ops), np.int64, len(ops)) // 1000)
-        micros = np.maximum(np.fromiter(map(_DURATION_NS, ops), np.int64, len(ops)) // 1000, 1)
+        starts, durations = node_times(ops)
+        starts = int_fields(b"\x10", starts // 1000)
+        micros = np.maximum(durations // 1000, 1)
         durations = each_encoded(micros, _durations)
         node_stats = delimited_each(b"\x12", joined(names, starts, durations, rest))
         devices.append(delimited(b"\x0a", device_field + node_stats))  # StepStats.dev_stats (1): DeviceStepStats

@@ -32,7 +32,7 @@ import orjson
 from hookprof._runtime import arguments
 from hookprof._runtime.atomic_file import atomic_write
 from hookprof._runtime.gc_pause import paused_gc
-from hookprof.step_stats import KernelsOf, NodeExecStats, StepShape, StepStats, TensorDescription
+from hookprof.step_stats import KernelsOf, NodeExecStats, StepShape, StepStats, TensorDescription, node_times
 from hookprof.trace import format as fmt
 
 log = logging.getLogger(__name__)
@@ -292,7 +292,8 @@ def _shaped_op_events(stats: StepStats, base: int, step_name: str, shape: StepSh
             heads, tails, spans = kept[pid]
         # each event's `ts` value, `,"dur":` and its `dur` value (in us as `_op_event` makes them: `ns / 1000`,
         # the same double from numpy as from Python), the spans' left out
-        times = np.column_stack(((_starts(nodes) - base) / 1000, _durations(nodes) / 1000))
+        starts, durations = node_times(nodes)
+        times = np.column_stack(((starts - base) / 1000, durations / 1000))
         times = _float_rows(np.delete(times, spans, axis=0) if spans else times, b',"dur":')
         done = 0  # the events yielded so far (a span's place among them is its node's less the spans before it)
         for count, at in enumerate([*spans, len(nodes)]):
@@ -418,25 +419,13 @@ def _shaped_tensor_flows(stats: StepStats, base: int, shape: StepShape) -> Itera
         return
     # (as `_tensor_flows` times them: the producer's end, the consumer's start; the same float operations)
     producers, consumers = list(map(_PRODUCER, stats.edges)), list(map(_CONSUMER, stats.edges))
-    ends, durations = _starts(producers) + _durations(producers) - base, _durations(producers)
-    flow_starts = ends / 1000 - np.minimum(0.001, durations / 2000)
-    times = _floats(np.column_stack((flow_starts, (_starts(consumers) - base) / 1000)).ravel())
+    starts, durations = node_times(producers)
+    flow_starts = (starts + durations - base) / 1000 - np.minimum(0.001, durations / 2000)
+    times = _floats(np.column_stack((flow_starts, (node_times(consumers)[0] - base) / 1000)).ravel())
     yield Serialised(kept[0], times, kept[1])
 
 
 _PRODUCER, _CONSUMER = operator.attrgetter("producer"), operator.attrgetter("consumer")
-_START, _DURATION = operator.attrgetter("start_ns"), operator.attrgetter("duration_ns")
-
-
-def _starts(nodes: list[NodeExecStats]) -> np.ndarray:
-    """The nodes' starts (ns), read by C's iteration."""
-    return np.fromiter(map(_START, nodes), np.int64, len(nodes))
-
-
-def _durations(nodes: list[NodeExecStats]) -> np.ndarray:
-    return np.fromiter(map(_DURATION, nodes), np.int64, len(nodes))
-
-
 def _floats(values: np.ndarray) -> list[bytes]:
     """Each double's JSON, as orjson writes a Python float (the same shortest repr), written together."""
     return orjson.dumps(values, option=orjson.OPT_SERIALIZE_NUMPY)[1:-1].split(b",") if len(values) else []

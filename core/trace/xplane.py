@@ -36,7 +36,6 @@ import collections
 import dataclasses
 import functools
 import itertools
-import operator
 import struct
 from collections.abc import Iterable
 from typing import Any
@@ -59,7 +58,14 @@ from hookprof._runtime.wire import (
     varint,
     varints,
 )
-from hookprof.step_stats import AllocatorSample, NodeExecStats, StepShape, StepStats, TensorAllocation
+from hookprof.step_stats import (
+    AllocatorSample,
+    NodeExecStats,
+    StepShape,
+    StepStats,
+    TensorAllocation,
+    node_times,
+)
 from hookprof.trace import format as fmt
 
 HOST_PLANE = "/host:CPU"  # tsl's kHostThreadsPlaneName; hookprof's host device has the same name
@@ -210,7 +216,6 @@ _SPACE_PLANE, _SPACE_HOSTNAME = tag(1, LENGTH_DELIMITED), tag(4, LENGTH_DELIMITE
 # a map entry's key (1) and value (2); the metadata's own id (1) and name (2)
 _KEY, _VALUE, _ID, _NAME = tag(1, VARINT), tag(2, LENGTH_DELIMITED), tag(1, VARINT), tag(2, LENGTH_DELIMITED)
 _DISPLAY_NAME = tag(4, LENGTH_DELIMITED)  # XEventMetadata.display_name
-_START_NS, _DURATION_NS = operator.attrgetter("start_ns"), operator.attrgetter("duration_ns")
 
 
 class _Plane:
@@ -493,7 +498,7 @@ class _ShapedHost:
 def _line(nodes: list[NodeExecStats]) -> tuple[list[NodeExecStats], np.ndarray, np.ndarray]:
     """A thread's nodes in time order (of two that start together, the longer first: the outer one), and their
     starts and durations (ns), sorted by numpy (a step has tens of thousands)."""
-    starts, durations = (np.fromiter(map(field, nodes), np.int64, len(nodes)) for field in (_START_NS, _DURATION_NS))
+    starts, durations = node_times(nodes)
     later, same = starts[1:] > starts[:-1], starts[1:] == starts[:-1]
     if np.all(later | same & (durations[1:] <= durations[:-1])):  # (as they mostly come: their own order)
         return nodes, starts, durations

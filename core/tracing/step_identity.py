@@ -32,14 +32,13 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-import operator
 from collections.abc import Hashable
 from typing import Any, NamedTuple
 
 import numpy as np
 
 from hookprof._runtime.by_fit import ByFit
-from hookprof.step_stats import DataEdge, NodeExecStats, StepStats, TensorDescription
+from hookprof.step_stats import DataEdge, NodeExecStats, StepStats, TensorDescription, node_times
 from hookprof.tracing.dataflow import find_edges
 from hookprof.tracing.kineto_events import KinetoEvent
 from hookprof.tracing.torch_dataflow import (
@@ -361,7 +360,6 @@ def add_tree_records(tree: EventTree, stats: StepStats, nodes_by_id: dict[int, N
         add_allocations(tree, stats, nodes_by_id)
 
 
-_START, _DURATION = operator.attrgetter("start_ns"), operator.attrgetter("duration_ns")
 
 
 def _layout(nodes: list[NodeExecStats], allocations: list[Allocation], threads: list[int], tid: int) -> tuple:
@@ -384,8 +382,8 @@ def _layout(nodes: list[NodeExecStats], allocations: list[Allocation], threads: 
             continue
         times.append(event.start_ns)
     count = len(nodes)
-    starts = np.fromiter(map(_START, nodes), np.int64, count)
-    values = np.concatenate((starts, starts + np.fromiter(map(_DURATION, nodes), np.int64, count),
+    starts, durations = node_times(nodes)
+    values = np.concatenate((starts, starts + durations,
                              np.array(times, np.int64)))
     order = np.argsort(values, kind="stable")
     ordered = values[order]
