@@ -91,8 +91,8 @@ class Conversion:
     argument shapes and types), `ops` (the places of the ops: by External id).
     The nodes' fields are kept as columns (`_NODE`), put together again for each step replayed."""
 
-    __slots__ = ("signatures", "order", "in_order", "threads", "columns", "parents", "popped", "by_rule", "backward",
-                 "sequences", "identity", "all_rows", "ops", "thread_names", "matched", "interned")
+    __slots__ = ("signatures", "order", "threads", "columns", "parents", "popped", "by_rule", "backward",
+                 "sequences", "identity", "ops", "thread_names", "matched", "interned")
 
     def __init__(self, spans: list[KinetoEvent], signatures: list[tuple], base: int, nodes: list[NodeExecStats],
                  parents: list[int], popped: list[tuple[int, int]], by_rule: list[tuple[int, bool]],
@@ -102,7 +102,6 @@ class Conversion:
         starts, durations = _times(spans, base)
         self.threads = np.fromiter(map(_TID, spans), np.int64, len(spans))
         self.order = _order(starts, durations, self.threads)
-        self.in_order = bool(np.array_equal(self.order, np.arange(len(spans))))  # (kineto's export usually is)
         self.columns = tuple(map(list, zip(*map(_NODE, nodes)))) if nodes else ((),) * 9
         self.parents = np.array(parents, np.int64)
         self.popped = _pairs(popped)
@@ -110,7 +109,6 @@ class Conversion:
         self.backward = np.array(backward, np.int64)
         self.sequences = _sequences(spans)[self.order]
         self.identity = tuple(map(list, zip(*identity))) if identity else ((),) * 4
-        self.all_rows = self.identity[0] == list(range(len(nodes)))  # (every node a row: no CUDA runtime calls)
         self.ops = ops
         self.thread_names = dict(thread_names)
         self.matched: Matched | None = None  # (what `borrow` found of its steps' ops: `StepRows`)
@@ -152,7 +150,7 @@ class Conversion:
         host.node_stats.extend(nodes)
         for tid, name in self.thread_names.items():
             host.thread_names.setdefault(tid, name)
-        return Replayed(self, nodes, spans if self.in_order else [spans[i] for i in order.tolist()])
+        return Replayed(self, nodes, spans)
 
 
 class Replayed(StepRows):
@@ -160,32 +158,32 @@ class Replayed(StepRows):
     spans' External ids where first read (a borrowing step of the same ops and layout as the fit's last one
     reads neither: `hookprof.tracing.step_identity.borrow`)."""
 
-    __slots__ = ("_nodes", "_spans")
+    __slots__ = ("_nodes", "_spans", "_external")
 
     def __init__(self, conversion: Conversion, nodes: list[NodeExecStats], spans: list[KinetoEvent]) -> None:
         super().__init__(None, None, conversion)  # type: ignore[arg-type]
-        self._nodes, self._spans = nodes, spans  # (its spans in start order, as its nodes)
+        self._nodes, self._spans = nodes, spans  # (its spans in the export's order)
+        self._external: list[Any] | None = None
 
-    def _external(self) -> list[Any]:
-        external = [e.args.external_id for e in self._spans]
-        if None in external:  # (as the conversion has them: 0 for an op without one)
-            external = [0 if value is None else value for value in external]
-        return external
+    def external_ids(self) -> list[Any]:
+        """Each node's External id (0 for an op without one, as the conversion has them), in start order."""
+        if self._external is None:
+            spans = self._spans
+            self._external = [0 if (value := spans[i].args.external_id) is None else value
+                              for i in self.source.order.tolist()]
+        return self._external
 
     def rows(self) -> list[Row]:
         if self._rows is None:
-            conversion, nodes, external = self.source, self._nodes, self._external()
+            conversion, nodes, external = self.source, self._nodes, self.external_ids()
             at, names, dims, types = conversion.identity
-            threads = conversion.columns[2]
-            self._rows = list(map(_new_row, zip(nodes, external, threads, names, dims, types)
-                                  if conversion.all_rows else
-                                  zip(map(nodes.__getitem__, at), map(external.__getitem__, at),
-                                      map(threads.__getitem__, at), names, dims, types)))
+            self._rows = list(map(_new_row, zip(map(nodes.__getitem__, at), map(external.__getitem__, at),
+                                                map(conversion.columns[2].__getitem__, at), names, dims, types)))
         return self._rows
 
     def by_external_id(self) -> dict[int, NodeExecStats]:
         if self._by_external_id is None:
-            ops, nodes, external = self.source.ops, self._nodes, self._external()
+            ops, nodes, external = self.source.ops, self._nodes, self.external_ids()
             self._by_external_id = dict(zip(map(external.__getitem__, ops), map(nodes.__getitem__, ops)))
         return self._by_external_id
 
