@@ -272,16 +272,30 @@ def test_the_render_worker_preloads_what_render_step_needs():
 def test_a_traced_step_waits_for_the_worker_its_own_cost_unless_the_worker_is_starting(monkeypatch, starting, answered,
                                                                                       waited):
     """A worker still starting (its interpreter and imports) gets `render_stall_seconds`; otherwise, one rendering
-    the previous step or none at all (renders then run in this process), the step's own cost."""
+    earlier steps or none at all (renders then run in this process), the step's own cost. The wait is for the
+    oldest step waiting for the worker, and only where RENDERS_IN_FLIGHT steps wait: the step gets its turn when
+    one of them is done by then, and not otherwise."""
     from hookprof._runtime import worker
+    from hookprof.hooks.capture import RENDERS_IN_FLIGHT
 
     class Rendering:
+        def __init__(self, finishes):
+            self.done, self.finishes, self.timeout = False, finishes, None
+
         def wait(self, timeout):
-            self.timeout = timeout
-            return True
+            self.timeout, self.done = timeout, self.finishes
+            return self.done
 
     monkeypatch.setattr(worker, "WORKER", types.SimpleNamespace(starting=starting, answered=answered))
     pipeline = CapturePipeline(ChromeTraceWriter(), CaptureOptions(render_stall_seconds=10.0))
-    pipeline._rendering = rendering = Rendering()
-    assert pipeline._render_turn(0.3)
-    assert rendering.timeout == waited
+    pipeline._renders.extend(Rendering(True) for _ in range(RENDERS_IN_FLIGHT - 1))
+    assert pipeline._render_turn(0.3)  # (a place is free: nothing is waited for)
+    assert all(r.timeout is None for r in pipeline._renders)
+    pipeline._renders.append(Rendering(False))
+    pipeline._renders[0].finishes = True
+    assert pipeline._render_turn(0.3)  # (the oldest finishes within the wait)
+    oldest = pipeline._renders[0]
+    assert oldest.timeout is None and len(pipeline._renders) == RENDERS_IN_FLIGHT - 1
+    pipeline._renders.appendleft(first := Rendering(False))
+    assert not pipeline._render_turn(0.3)  # (none finishes: no place)
+    assert first.timeout == waited and len(pipeline._renders) == RENDERS_IN_FLIGHT

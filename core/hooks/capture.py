@@ -52,6 +52,11 @@ WORKER_MODULES = ("hookprof.hooks.capture", "hookprof.tracing.kineto_trace", "ho
 # The least a traced step waits for the render worker to finish the previous one before it is dropped instead
 # (`CapturePipeline.save`): a tiny step costs milliseconds, less than a loaded machine's scheduling delays.
 RENDER_WAIT_FLOOR_SECONDS = 0.25
+# The traced steps handed to the render worker and not yet rendered, at most: one rendering and one waiting. A
+# second place lets a schedule that the worker keeps up with on average (every step, whose renders vary: a fit's
+# first is a full conversion) go on without waiting for each render; more would only hold more exports in TMPDIR
+# and memory where the worker cannot keep up.
+RENDERS_IN_FLIGHT = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,9 +78,9 @@ class CaptureOptions:
             and is never judged so: `render_timeout_seconds` bounds it. Where
             a process's CPU time cannot be read (not Linux) only `render_timeout_seconds` applies. The training
             thread never waits for the worker this long: a traced step whose turn comes while the worker still
-            renders the previous one waits at most its own cost (`RENDER_WAIT_FLOOR_SECONDS` at least), then
-            is dropped (counted in `dropped_outputs`, one warning); a worker still starting is given this long
-            before a step is dropped so.
+            has `RENDERS_IN_FLIGHT` earlier ones to render waits at most its own cost
+            (`RENDER_WAIT_FLOOR_SECONDS` at least), then is dropped (counted in `dropped_outputs`, one warning);
+            a worker still starting is given this long before a step is dropped so.
         max_pending_writes: traced steps rendered and waiting for the disk, at most (each is held in memory
             until written): past that a step due to be traced is not, and is counted (`skipped_traces`, and the
             next file's metadata `skipped_traces`).
@@ -408,7 +413,8 @@ class CapturePipeline:
         self._counts = self if counts is None else counts  # whose `dropped_outputs` counts the failures
         self._saved_paths: list[str] = []
         self._pending: BackgroundJob | None = None  # the background job of the last traced step
-        self._rendering: BackgroundJob | None = None  # the last job waiting for the render worker (RENDERS)
+        # the jobs waiting for the render worker (`RENDERS`, in order), RENDERS_IN_FLIGHT at most
+        self._renders: collections.deque[BackgroundJob] = collections.deque()
         self._run_paths: set[str] = set()  # the timelines this run wrote (another fit's are never overwritten)
         self._writes: collections.deque[BackgroundJob] = collections.deque()  # on the disk's worker, in order
         self._fit: str | None = None  # the run's token (see `begin`)
@@ -490,8 +496,9 @@ class CapturePipeline:
         """Wait until every step handed over so far is on disk (files, TensorBoard, the Profiler)."""
         if self._pending is not None:
             self._pending.wait()  # the jobs run in order: the last one done, all are
-        if self._rendering is not None:
-            self._rendering.wait()  # and so do the render worker's (a hung one is killed on its own thread)
+        if self._renders:
+            self._renders[-1].wait()  # and so do the render worker's (a hung one is killed on its own thread)
+            self._renders.clear()
         if self._writes:
             self._writes[-1].wait()  # and so do the disk's
             self._writes.clear()
@@ -517,19 +524,19 @@ class CapturePipeline:
                 self._warn_once("convert", "Collecting the traced step failed; it has no timeline.", exc_info=True)
                 return
             if exported is not None:
-                # One step renders while the next is exported, no more (exports must not pile up in TMPDIR and
-                # memory); the next traced step waits for this thread, so this one waits for the worker no
-                # longer than the step itself cost (its trace and its export), then is dropped.
+                # RENDERS_IN_FLIGHT steps wait for the worker, no more (exports must not pile up in TMPDIR and
+                # memory); the next traced step waits for this thread, so this one waits for a place no longer
+                # than the step itself cost (its trace and its export), then is dropped.
                 cost = time.monotonic() - started + getattr(exported, "step_seconds", 0.0)
                 budget = max(RENDER_WAIT_FLOOR_SECONDS, cost)
                 if not self._render_turn(budget):
                     count_dropped(self._counts)
-                    self._warn_once("busy", "The render worker was still rendering the previous traced step when "
+                    self._warn_once("busy", "The render worker was still rendering the previous traced steps when "
                                     "step %d was ready: rather than hold training up longer than the step cost "
                                     "(waited %.2f s), step %d has no timeline (counted in dropped_outputs). Trace "
                                     "less often to keep every traced step.", job.step, budget, job.step)
                     return
-                self._rendering = RENDERS.submit(lambda: self.finish(job, self.render_elsewhere(job, exported)))
+                self._renders.append(RENDERS.submit(lambda: self.finish(job, self.render_elsewhere(job, exported))))
                 return
         stats = job.run_metadata.step_stats
         self.finish(job, None if stats is None else render_step(stats, self.writer, job.spec))
@@ -540,13 +547,18 @@ class CapturePipeline:
                 self._warn_once("profiler", "Profiler.add_step(%d) failed.", job.step, exc_info=True)
 
     def _render_turn(self, budget: float) -> bool:
-        """Whether the render worker is done with the step it was given, after waiting `budget` seconds at
-        most (`render_stall_seconds` while the worker has not answered yet: it is starting). A hung worker is
-        judged and killed on `RENDERS`, not here (`hookprof._runtime.worker`)."""
-        rendering = self._rendering
-        if rendering is None:
+        """Whether fewer than RENDERS_IN_FLIGHT steps wait for the render worker, after waiting `budget` seconds at
+        most for the oldest (`render_stall_seconds` while the worker has not answered yet: it is starting). A hung
+        worker is judged and killed on `RENDERS`, not here (`hookprof._runtime.worker`)."""
+        renders = self._renders
+        while renders and renders[0].done:
+            renders.popleft()
+        if len(renders) < RENDERS_IN_FLIGHT:
             return True
-        return rendering.wait(self.options.render_stall_seconds if worker.WORKER.starting else budget)
+        renders[0].wait(self.options.render_stall_seconds if worker.WORKER.starting else budget)
+        while renders and renders[0].done:
+            renders.popleft()
+        return len(renders) < RENDERS_IN_FLIGHT
 
     def render_elsewhere(self, job: Job, exported: Any) -> Rendered | None:
         """On `RENDERS`: the step rendered by the render worker (here if none can start)."""
