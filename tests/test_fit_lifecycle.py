@@ -376,9 +376,10 @@ def test_a_keras_fit_that_fails_in_another_callbacks_epoch_end_leaves_nothing_ru
         assert str(err) == "epoch end failed"
     else:
         raise AssertionError("the fit did not fail")
-    assert timeline_steps(os.path.join(tmp_dir, "prof"))[:1] == [2]  # (the worker ran)
     for _ in range(100):  # (closed on a thread of its own, once the list is freed)
         if not leftovers():
             break
         threading.Event().wait(0.1)
     assert leftovers() == []
+    # (the worker ran; the close finished what it had been given: the fit may fail before a render is written)
+    assert timeline_steps(os.path.join(tmp_dir, "prof"))[:1] == [2]
