@@ -47,18 +47,24 @@ class RemoveExportsAt(L.Callback):
 
 
 def test_an_export_directory_removed_mid_fit_is_made_again_and_no_timeline_is_lost(tmpdir_env, tmp_path, caplog):
+    from hookprof.hooks.capture import RENDERS_IN_FLIGHT
+
     out = str(tmp_path / "out")
-    cleaner = RemoveExportsAt(tmpdir_env, {4, 6})
+    removals = (4, 4 + RENDERS_IN_FLIGHT + 1)  # (apart: the step at the first is rendered by the second)
+    cleaner = RemoveExportsAt(tmpdir_env, set(removals))
     hook = ProfilerHook(save_steps=1, output_dir=out, tensorboard=False)
-    trainer(out, [hook, cleaner], 8, logger=False).fit(TinyModel(), loader())
+    trainer(out, [hook, cleaner], removals[1] + 2, logger=False).fit(TinyModel(), loader())
     assert any(PATTERN.match(name) for name in cleaner.removed)  # the live directory was removed, twice
-    written = timeline_steps(out)
-    # every step traced after a removal has its timeline (the directory is made again); a step whose export
-    # was removed while it waited for its render (the one just before each removal) may be lost, said so
-    assert {2, 4, 6, 7, 8} <= set(written) and set(written) <= set(range(2, 9))
+    written = set(timeline_steps(out))
+    # every step traced after a removal has its timeline (the directory is made again); the steps whose exports
+    # were removed while they waited for their render (the RENDERS_IN_FLIGHT ones just before each removal) may
+    # be lost, said so
+    waited = {step - back for step in removals for back in range(1, RENDERS_IN_FLIGHT + 1)}
+    assert {removals[0], *range(removals[1], removals[1] + 3)} <= written <= set(range(2, removals[1] + 3))
+    lost = set(range(2, removals[1] + 3)) - written
+    assert lost <= waited
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert not [w for w in warnings if "full" in w or "read-only" in w]
-    lost = set(range(2, 9)) - set(written)
     assert len([w for w in warnings if "was removed from the temporary directory" in w]) == min(1, len(lost))
     (left,) = os.listdir(tmpdir_env)  # the one it made again, ours until this process exits
     assert PATTERN.match(left) and int(PATTERN.match(left).group(1)) == os.getpid()
