@@ -43,6 +43,7 @@ from hookprof.tracing.step_identity import (
     add_tree_records,
     borrow,
     build_template,
+    leave_walked,
 )
 from hookprof.tracing.torch_dataflow import EventTree
 from hookprof.tracing.tracer import HOST_DEVICE
@@ -104,7 +105,8 @@ class KinetoExport:
             raw = f.read()
         options = self.options
         mode, token = self.identity or (None, "")
-        instants: list[KinetoEvent] | None = [] if mode == BORROW else None
+        # (a recording step's too: its layout, for the next step: `leave_walked`)
+        instants: list[KinetoEvent] | None = [] if mode is not None else None
         template = TEMPLATES.recall(token) if mode == BORROW else None
         # a borrowing step's argument lists are its template's own objects where equal: signatures compare at once
         interned = template.interned.copy() if template is not None else Interned()
@@ -119,7 +121,8 @@ class KinetoExport:
                 interned = converted.source.interned  # (its nodes' argument lists: a template made of it shares them)
             tree = self.tree
             if mode == RECORD and tree is not None:
-                TEMPLATES.remember(token, build_template(tree, converted.rows(), interned))
+                template = build_template(tree, converted.rows(), interned)
+                TEMPLATES.remember(token, template)
             elif mode == BORROW:
                 tree = None  # (a borrowing step's identities are its template's)
                 reason = NO_TEMPLATE if template is None else borrow(
@@ -129,6 +132,9 @@ class KinetoExport:
                     self.report_mismatch(reason)
             if tree is not None:
                 add_tree_records(tree, stats, converted.by_external_id(), options.record_dataflow,
+                                 options.record_memory)
+                if template is not None:  # (made of this step: `leave_walked`)
+                    leave_walked(template, stats, converted, instants, base, options.record_dataflow,
                                  options.record_memory)
             # freed while the collector is paused: the collection that its resuming starts looks at every object
             # made while paused and still alive, and the export's parsed events are most of them (0.1 s at 20k ops)

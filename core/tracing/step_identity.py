@@ -444,12 +444,7 @@ def borrow(template: IdentityTemplate, stats: StepStats, step: StepRows, instant
         reason = _differs(template, main)
         if reason is not None:
             return reason
-        # (by place: the host's nodes must be its rows alone, or a node that is none, a CUDA runtime call say,
-        # could trade places with an op from one step to the next and leave the order of starts and ends as it
-        # was; one thread: `_step_rows` groups them)
-        by_place = bool(len(stats.dev_stats) == 1 and len(main) == len(rows) == len(host.node_stats) and rows
-                        and main[0].tid == main[-1].tid)
-        matched = Matched(template, by_place, rows[0].tid if rows else 0)
+        matched = _matched(template, stats, rows, main)
         step.match(matched)
     allocations, threads = memory_events(instants, base)
     layout = _layout(host.node_stats, allocations, threads, matched.tid) if matched.by_place else None
@@ -465,6 +460,38 @@ def borrow(template: IdentityTemplate, stats: StepStats, step: StepRows, instant
     if layout is not None:
         template.last = BorrowedStep(layout, (dataflow, memory), stats, host.node_stats)
     return None
+
+
+def _matched(template: IdentityTemplate, stats: StepStats, rows: list[Row], main: list[Row]) -> Matched:
+    """A step whose ops are `template`'s (its `rows`, `main` those of its own threads: `_step_rows`)."""
+    # (by place: the host's nodes must be its rows alone, or a node that is none, a CUDA runtime call say, could
+    # trade places with an op from one step to the next and leave the order of starts and ends as it was; one
+    # thread: `_step_rows` groups them)
+    by_place = bool(len(stats.dev_stats) == 1 and len(main) == len(rows) == len(stats.device(HOST_DEVICE).node_stats)
+                    and rows and main[0].tid == main[-1].tid)
+    return Matched(template, by_place, rows[0].tid if rows else 0)
+
+
+def leave_walked(template: IdentityTemplate, stats: StepStats, step: StepRows, instants: list[KinetoEvent],
+                 base: int, dataflow: bool, memory: bool) -> None:
+    """The walked step that `template` was made of leaves, for the fit's next borrowing step, what a borrowing
+    step leaves (`borrow`): that its ops are the template's (`Matched`), and its arrows, outputs and allocations
+    by place (`BorrowedStep`), as its walk found them (`stats`, `add_tree_records`; its `[memory]` instants after
+    `base` ns: its layout). A next step of its layout is given them: applying the template to the template's own
+    step finds what its walk found, and a step of the same layout, the same by place. Where the walk's
+    allocations are not the export's instants' (their bytes and devices, in time order), or its ops are not one
+    thread's alone on the host, no `BorrowedStep` is left."""
+    rows = step.rows()
+    matched = _matched(template, stats, rows, _step_rows(rows))
+    step.match(matched)
+    if not matched.by_place:
+        return
+    allocations, threads = memory_events(instants, base)
+    if memory and ([(a.nbytes, a.device) for a in stats.allocations]
+                   != [(a.nbytes, a.device) for a in allocations if a.nbytes > 0]):
+        return
+    nodes = stats.device(HOST_DEVICE).node_stats
+    template.last = BorrowedStep(_layout(nodes, allocations, threads, matched.tid), (dataflow, memory), stats, nodes)
 
 
 # Where this process converts steps (the render worker, or a training process without one), the templates of
