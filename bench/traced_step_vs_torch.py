@@ -23,6 +23,9 @@ the previous traced step's background work is done); and the share of our traced
 end plus the background job: conversion, timeline, TensorBoard events) spent building the step graph and run
 metadata (`hookprof.tensorboard.graph.run_metadata_events`).
 
+At about 20k events, also every step traced in 40-step fits (`LONG_STEPS`), ops and the defaults against the
+peer, 3 rounds: a fit's own costs (the render worker's start, its first renders, which convert whole, and the
+wait for the last render at its end) spread over 39 traced steps rather than 9.
 Also the idle cost: the every-10th fit's length with a `ProfilerHook` that traces nothing, against the same fit
 without it (whole fit times, in fits of their own that alternate, after the traced fits).
 Also the extra CPU time per traced step, of the training process and the render worker together
@@ -73,6 +76,7 @@ WALKING = "defaults, every step walking its tree"
 SIZES = ((40, 12, 49, 1), (400, 10, 49, 1)) if FAST else ((40, 12, 49, 5), (400, 10, 49, 3), (6400, 2, 0, 1))
 if os.environ.get("HOOKPROF_BENCH_LAYERS"):
     SIZES = tuple(size for size in SIZES if size[0] == int(os.environ["HOOKPROF_BENCH_LAYERS"]))
+LONG_STEPS = 40  # the every-step fits of `long_fits` (at about 20k events)
 CONTENTS = {  # label: (ProfilerHook arguments, the peer records memory)
     "ops": ({"show_dataflow": False, "tensorboard": False}, False),
     "ops + graph": ({"show_dataflow": False}, False),
@@ -293,6 +297,8 @@ def main():
                 share = f"{_ms(graph)} / {_ms(own)} = {graph / own:.0%}"
             print(f"| {layers} layers ({events:,}) | {content} | {cells[0]} | {cells[1]} | {cells[2]} | {cells[3]} | "
                   f"{_ms(wait)} / {_ms(stop)} = {wait / stop:.2f}x | {_ms(start)} | {share} |", flush=True)
+        if layers == 400:
+            long_fits(model, rounds)
         # idle: fits that trace nothing, alternating with untraced ones and after a traced fit's leftovers (its
         # freed steps, a worker's exit) are gone, in the every-10th fits' length
         every, idle_runs = max(schedules), {"idle": [], "none": []}
@@ -305,6 +311,24 @@ def main():
               flush=True)
         print(f"(load average after {layers} layers: {', '.join(f'{x:.1f}' for x in os.getloadavg())})", flush=True)
         del model
+
+
+def long_fits(model: MLP, rounds: int) -> None:
+    """Every step traced in fits LONG_STEPS long, ops and the defaults against the peer: what a traced step costs
+    once a fit's own costs (the render worker's start, a fit's first renders, which convert its steps whole, the
+    wait for the last render at its end) are spread over more steps, as in a longer fit."""
+    kinds = [("none", 1), ("torch", 1, False), ("ours", 1, "ops"), ("ours", 1, "defaults (dataflow + graph)")]
+    runs: dict[tuple, list] = {kind: [] for kind in kinds}
+    for round_ in range(rounds):
+        for kind in kinds[round_ % len(kinds):] + kinds[:round_ % len(kinds)]:
+            runs[kind].append(fit(model, LONG_STEPS, kind))
+    theirs, traced = per_traced_step(runs, kinds[1])
+    cells = []
+    for kind in kinds[2:]:
+        ours, written = per_traced_step(runs, kind)
+        skipped = f" ({written} of {traced} traced)" if written != traced else ""
+        cells.append(f"{kind[2]} {_ms(ours)} / {_ms(theirs)} = {ours / theirs:.2f}x{skipped}")
+    print(f"(every step in {LONG_STEPS}-step fits, {rounds} rounds: {'; '.join(cells)})", flush=True)
 
 
 def per_traced_step(runs: dict[tuple, list], kind: tuple, measure: int = 0) -> tuple[float, int]:
