@@ -35,7 +35,8 @@ class AdamModel(TinyModel):
 
 class BothPaths(L.Callback):
     """Traces every step with its own tree walk (and a template of it), and converts each step's export again
-    with the previous step's identities borrowed: (step, the tree's stats, the borrowed stats)."""
+    with the previous step's identities borrowed, joined to them (`apply_template`, not given what the walk
+    found): (step, the tree's stats, the borrowed stats)."""
 
     def __init__(self):
         self.steps = []
@@ -50,7 +51,9 @@ class BothPaths(L.Callback):
         exported = self.tracer.stop_recording().export()
         walked = exported.to_stats()
         if self._previous is not None:
-            borrowed = dataclasses.replace(exported, tree=None, identity=(BORROW, self._previous.identity[1]))
+            token = self._previous.identity[1]
+            borrowed = dataclasses.replace(exported, tree=None, identity=(BORROW, token))
+            TEMPLATES.recall(token).last = None  # (joined to the template: not given what its walk found)
             self.steps.append((trainer.global_step, walked, borrowed.to_stats()))
         self._previous = exported
 
@@ -466,15 +469,21 @@ def arrows(path):
              if e["ph"] == "s" and e.get("cat") == fmt.CAT_DATAFLOW}, trace["metadata"])
 
 
+@pytest.mark.parametrize("left", [True, False], ids=["walk-left", "joined"])
 @pytest.mark.parametrize("config", ["accumulation", "two optimizers"])
 def test_the_borrowing_steps_of_an_accumulating_or_two_optimizer_fit_draw_its_walked_steps_arrows(tmp_dir, config,
-                                                                                                    monkeypatch):
+                                                                                                    monkeypatch, left):
     """Every step traced with the defaults in fits whose step is two micro-batches (accumulation) or two
     optimizers' backward and updates (manual optimization): the fit's first traced step walks its event tree,
     each later one borrows its tensor identities and draws the very arrows the walked step drew. (A step that
-    starts an epoch runs other ops, so has none and says why: the fits here stay in their first epoch.)"""
+    starts an epoch runs other ops, so has none and says why: the fits here stay in their first epoch.) With
+    `left` the walked step leaves its records for the step after it (`leave_walked`); without, that step is
+    joined to the template, and the ones after it are given what it found."""
     from hookprof.tracing import kineto_trace
     from tests.test_step_clock import TwoOptimizers
+
+    if not left:
+        monkeypatch.setattr(kineto_trace, "leave_walked", lambda *args: None)
 
     borrowed_steps = []  # (converted here: no render worker)
     borrow = kineto_trace.borrow
@@ -506,3 +515,42 @@ def test_an_epochs_first_step_alone_does_not_make_the_next_ones_walk_again(tmp_d
     assert len(missing) == 23 and all(len(arrows(path)[0]) > 20 for path in hook.saved_paths
                                       if not missing[int(path.rsplit("-", 1)[1].split(".")[0])])
     assert probe.identities.mismatches == 0 and probe.identities.mode() == BORROW
+
+
+@pytest.mark.parametrize("differs", ["bytes", "op"])
+def test_a_walked_step_whose_allocations_are_not_its_exports_leaves_nothing_to_give(tmp_dir, monkeypatch, differs):
+    """A walked step leaves its records by place (`leave_walked`) only where its walk's allocations are its
+    export's: the same bytes in time order, each made in the op the export nests it in. One allocation of
+    another size, or nested in another op, and the template has nothing to give (the next step is joined)."""
+    skip_where_cuda_started("a step's host holds the CUDA runtime's calls: no step is given the last one's arrows")
+    from hookprof.tracing import step_identity
+
+    fit = FitExports(TENSORS)
+    trainer(tmp_dir, [fit], 3, logger=False).fit(TinyModel(), loader())
+    exported, _ = next((e, s) for e, s in fit.steps if e.identity[0] == "record")
+    template = lambda: TEMPLATES.recall(exported.identity[1])  # noqa: E731  (each conversion makes it anew)
+    exported.to_stats()
+    assert template().last is not None  # (as walked: left)
+    if differs == "bytes":
+        events = step_identity.memory_events
+
+        def memory_events(instants, base):
+            allocations, threads = events(instants, base)
+            first = next(i for i, a in enumerate(allocations) if a.nbytes > 0)
+            allocations[first] = allocations[first]._replace(nbytes=allocations[first].nbytes + 4)
+            return allocations, threads
+
+        monkeypatch.setattr(step_identity, "memory_events", memory_events)
+    else:
+        nest = step_identity.step_allocations
+
+        def step_allocations(allocations, threads, rows):
+            blocks = nest(allocations, threads, rows)
+            allocation_id, block = next((i, b) for i, b in blocks.items() if b.op is not None)
+            other = next(row.external_id for row in rows if row.external_id != block.op)
+            blocks[allocation_id] = dataclasses.replace(block, op=other)
+            return blocks
+
+        monkeypatch.setattr(step_identity, "step_allocations", step_allocations)
+    exported.to_stats()
+    assert template().last is None

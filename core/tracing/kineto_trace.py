@@ -134,7 +134,7 @@ class KinetoExport:
                 add_tree_records(tree, stats, converted.by_external_id(), options.record_dataflow,
                                  options.record_memory)
                 if template is not None:  # (made of this step: `leave_walked`)
-                    leave_walked(template, stats, converted, instants, base, options.record_dataflow,
+                    leave_walked(template, stats, converted, tree, instants, base, options.record_dataflow,
                                  options.record_memory)
             # freed while the collector is paused: the collection that its resuming starts looks at every object
             # made while paused and still alive, and the export's parsed events are most of them (0.1 s at 20k ops)

@@ -19,7 +19,9 @@ next ones:
 - a borrowing step whose nodes, allocations and frees come in the same order as the fit's last borrowing
   step's (`_layout`: on CPU, every step of a training loop but a few) has that step's arrows, outputs and
   allocations, place by place, with its own nodes and times (`BorrowedStep`): its allocations are not joined
-  to its ops, nor its arrows found, again (about 0.1 s of the render worker's CPU at 20k ops).
+  to its ops, nor its arrows found, again (about 0.1 s of the render worker's CPU at 20k ops). The walked
+  step leaves the same for the first borrowing step after it (`leave_walked`), where its walk's allocations
+  are the export's, made in the same ops.
 
 Templates live where steps are converted (the render worker, or the training process without one), by fit
 (`TEMPLATES`, a `hookprof._runtime.by_fit.ByFit`: a token per fit). A fit's template is its own: it goes when the
@@ -140,7 +142,8 @@ class IdentityTemplate:
     written: list[frozenset[int]]
     made: dict[int, list[tuple[int, str]]]  # op position -> (bytes, device) of each allocation it made, in time order
     interned: Interned = dataclasses.field(default_factory=Interned)  # its step's argument lists
-    # what the fit's last borrowing step found, for its next one of the same layout
+    # what the fit's last borrowing step (or its walked step: `leave_walked`) found, for its next one of the same
+    # layout
     last: BorrowedStep | None = dataclasses.field(default=None, compare=False, repr=False)
 
     @functools.cached_property
@@ -472,23 +475,29 @@ def _matched(template: IdentityTemplate, stats: StepStats, rows: list[Row], main
     return Matched(template, by_place, rows[0].tid if rows else 0)
 
 
-def leave_walked(template: IdentityTemplate, stats: StepStats, step: StepRows, instants: list[KinetoEvent],
-                 base: int, dataflow: bool, memory: bool) -> None:
-    """The walked step that `template` was made of leaves, for the fit's next borrowing step, what a borrowing
-    step leaves (`borrow`): that its ops are the template's (`Matched`), and its arrows, outputs and allocations
-    by place (`BorrowedStep`), as its walk found them (`stats`, `add_tree_records`; its `[memory]` instants after
-    `base` ns: its layout). A next step of its layout is given them: applying the template to the template's own
-    step finds what its walk found, and a step of the same layout, the same by place. Where the walk's
-    allocations are not the export's instants' (their bytes and devices, in time order), or its ops are not one
-    thread's alone on the host, no `BorrowedStep` is left."""
+def leave_walked(template: IdentityTemplate, stats: StepStats, step: StepRows, tree: EventTree,
+                 instants: list[KinetoEvent], base: int, dataflow: bool, memory: bool) -> None:
+    """The walked step that `template` was made of (`tree`, its walk) leaves, for the fit's next borrowing step,
+    what a borrowing step leaves (`borrow`): that its ops are the template's (`Matched`), and its arrows, outputs
+    and allocations by place (`BorrowedStep`), as its walk found them (`stats`, `add_tree_records`; its
+    `[memory]` instants after `base` ns: its layout). A next step of its layout is given them: joining the
+    template to the step it was made of finds what its walk found, and to a step of the same layout, the same
+    by place. That holds where the walk's allocations are the export's, made in the same ops: their bytes and
+    devices in time order, and for each the op the export nests it in (`step_allocations`, as a borrowing step
+    is joined) is the one the walk found. Elsewhere, or where the step's ops are not one thread's alone on the
+    host, no `BorrowedStep` is left, and the next step is joined."""
     rows = step.rows()
     matched = _matched(template, stats, rows, _step_rows(rows))
     step.match(matched)
     if not matched.by_place:
         return
     allocations, threads = memory_events(instants, base)
-    if memory and ([(a.nbytes, a.device) for a in stats.allocations]
-                   != [(a.nbytes, a.device) for a in allocations if a.nbytes > 0]):
+    made = [a for a in allocations if a.nbytes > 0]
+    walked = [a for a in tree.allocations if a.nbytes > 0]
+    if [(a.nbytes, a.device) for a in walked] != [(a.nbytes, a.device) for a in made]:
+        return
+    blocks = step_allocations(allocations, threads, rows)
+    if [tree.blocks[a.allocation_id].op for a in walked] != [blocks[a.allocation_id].op for a in made]:
         return
     nodes = stats.device(HOST_DEVICE).node_stats
     template.last = BorrowedStep(_layout(nodes, allocations, threads, matched.tid), (dataflow, memory), stats, nodes)
