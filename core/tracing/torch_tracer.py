@@ -166,6 +166,7 @@ class _Identities:
         self.borrows = 0  # the borrowing steps started since the fit's last walk, each one's number
         self._last_mismatch = -2  # the number of the last borrowing step (of this generation) whose ops differed
         self._lone = 0  # the borrowing steps since the last walk whose ops differed, each alone
+        self._counted = -1  # the last walk (generation) whose borrowing steps counted toward GIVE_UP
         self._lock = threading.Lock()  # (mismatches are told from the render thread)
 
     def mode(self) -> str | None:
@@ -188,7 +189,8 @@ class _Identities:
     def mismatch(self, borrow: tuple[int, int], reason: str) -> None:
         """Borrowing step `borrow` (`next_borrow`) could not borrow (`reason`). Where it is the first since its
         walk (the walked step may be the odd one: an optimizer making its state) or the borrowing step before it
-        could not either, the next traced step walks its tree again, counted toward `GIVE_UP`; where the step
+        could not either, the next traced step walks its tree again, counted toward `GIVE_UP` once a walk (the
+        steps that borrowed from it before its first report came, renders being queued, report too); where the step
         to borrow from was converted elsewhere (a restarted worker), it walks again at once, not counted. A
         report of a step that borrowed from an earlier walk than the last (told after the next walk was
         exported: reports come from the render thread) changes nothing."""
@@ -200,7 +202,9 @@ class _Identities:
                 return
             elif number == 1 or number == self._last_mismatch + 1 or self._too_many_alone(number):
                 self.recorded = False
-                self.mismatches += 1
+                if self._counted != generation:  # (once a walk: its later steps' reports come late, two deep)
+                    self._counted = generation
+                    self.mismatches += 1
             self._last_mismatch = number
 
     LONE_SHARE = 4  # (at most one borrowing step in this many differs alone, past the first few)
