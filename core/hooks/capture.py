@@ -49,7 +49,7 @@ log = logging.getLogger("hookprof.hooks.profiler_hook")
 # name, so its module), what it converts and renders with, and what its results are made of.
 WORKER_MODULES = ("hookprof.hooks.capture", "hookprof.tracing.kineto_trace", "hookprof.tensorboard.graph",
                   "tensorboard.compat.proto.event_pb2", "orjson", "google.protobuf.descriptor_pool")
-# The least a traced step waits for the render worker to finish the previous one before it is dropped instead
+# The least a traced step waits for a place at the render worker (`RENDERS_IN_FLIGHT`) before it is dropped instead
 # (`CapturePipeline.save`): a tiny step costs milliseconds, less than a loaded machine's scheduling delays.
 RENDER_WAIT_FLOOR_SECONDS = 0.25
 # The traced steps handed to the render worker and not yet rendered, at most: one rendering and one waiting. A
@@ -82,8 +82,9 @@ class CaptureOptions:
             (`RENDER_WAIT_FLOOR_SECONDS` at least), then is dropped (counted in `dropped_outputs`, one warning);
             a worker still starting is given this long before a step is dropped so.
         max_pending_writes: traced steps rendered and waiting for the disk, at most (each is held in memory
-            until written): past that a step due to be traced is not, and is counted (`skipped_traces`, and the
-            next file's metadata `skipped_traces`).
+            until written), besides those still waiting for the render worker (`RENDERS_IN_FLIGHT`), which join
+            them as they are rendered: past that a step due to be traced is not, and is counted
+            (`skipped_traces`, and the next file's metadata `skipped_traces`).
         write_grace_seconds: how long a full queue is given to free a place first: a disk that keeps up does so
             within moments (the writer thread may only be waiting for the GIL), so only a slow disk ever costs a
             trace. 0: no grace.
@@ -496,9 +497,12 @@ class CapturePipeline:
         """Wait until every step handed over so far is on disk (files, TensorBoard, the Profiler)."""
         if self._pending is not None:
             self._pending.wait()  # the jobs run in order: the last one done, all are
-        if self._renders:
-            self._renders[-1].wait()  # and so do the render worker's (a hung one is killed on its own thread)
-            self._renders.clear()
+        try:  # (one read: the background thread trims the queue, and may empty it, as this thread reads it)
+            last = self._renders[-1]
+        except IndexError:
+            last = None
+        if last is not None:
+            last.wait()  # and so do the render worker's, in order (a hung one is killed on its own thread)
         if self._writes:
             self._writes[-1].wait()  # and so do the disk's
             self._writes.clear()
