@@ -192,6 +192,24 @@ def test_a_late_report_of_a_step_that_borrowed_from_an_earlier_walk_changes_noth
     assert identities.mode() == BORROW and identities.mismatches == 0
 
 
+def test_the_late_reports_of_a_bad_walks_borrowing_steps_count_toward_giving_up_once():
+    """With renders queued, several steps borrow from a walk before the first of them is reported to differ
+    (the walked step was the odd one): their reports, two in a row, make the next step walk again, and count
+    toward GIVE_UP once for that walk, not once each."""
+    from hookprof.tracing.kineto_trace import RECORD
+    from hookprof.tracing.torch_tracer import _Identities
+
+    identities = _Identities()
+    identities.record()
+    steps = [identities.next_borrow() for _ in range(3)]  # (all started before the first report came)
+    for step in steps:
+        identities.mismatch(step, "op 3 differs")
+    assert identities.mode() == RECORD and identities.mismatches == 1
+    identities.record()  # (the next walk is odd too: it counts again)
+    identities.mismatch(identities.next_borrow(), "op 3 differs")
+    assert identities.mismatches == 2
+
+
 def test_a_model_whose_ops_alternate_gives_borrowing_up_as_one_whose_ops_change_every_step():
     """Odd steps alone are tolerated where they are few (an epoch's first); a model whose every third step runs
     other ops (A, A, B) makes its fit walk again after its third such step, and after `GIVE_UP` such walks every
