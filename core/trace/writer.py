@@ -426,6 +426,8 @@ def _shaped_tensor_flows(stats: StepStats, base: int, shape: StepShape) -> Itera
 
 
 _PRODUCER, _CONSUMER = operator.attrgetter("producer"), operator.attrgetter("consumer")
+
+
 def _floats(values: np.ndarray) -> list[bytes]:
     """Each double's JSON, as orjson writes a Python float (the same shortest repr), written together."""
     return orjson.dumps(values, option=orjson.OPT_SERIALIZE_NUMPY)[1:-1].split(b",") if len(values) else []

@@ -363,8 +363,6 @@ def add_tree_records(tree: EventTree, stats: StepStats, nodes_by_id: dict[int, N
         add_allocations(tree, stats, nodes_by_id)
 
 
-
-
 def _layout(nodes: list[NodeExecStats], allocations: list[Allocation], threads: list[int], tid: int) -> tuple:
     """What a borrowing step's arrows, outputs and allocations follow from, besides its ops (its template's) and
     times: the order of its nodes' starts and ends and of its allocations and the frees of them (which comes

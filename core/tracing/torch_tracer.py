@@ -44,6 +44,7 @@ from hookprof.tracing.tracer import Tracer, TracerUnavailable
 
 log = logging.getLogger(__name__)
 
+
 def _module_label(module: Any, local_names: dict[int, str]) -> str:
     """The name a module call gets in scopes: its attribute name in the model, else its own `name`/class."""
     label = local_names.get(id(module))
