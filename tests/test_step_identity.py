@@ -572,3 +572,48 @@ def test_a_walked_step_whose_allocations_are_not_its_exports_leaves_nothing_to_g
         monkeypatch.setattr(step_identity, "step_allocations", step_allocations)
     exported.to_stats()
     assert template().last is None
+
+
+def test_a_keras_fits_step_after_its_walk_is_given_what_the_walk_found_as_the_full_path_finds_it(monkeypatch):
+    """Keras on torch (its own train step, Adam): the step after the fit's walk is given the walk's records by
+    place (`leave_walked`), and renders byte for byte what joining the template to it renders."""
+    import keras
+    import numpy as np
+
+    from hookprof.tracing.step_identity import BorrowedStep
+
+    skip_where_cuda_started("a step's host holds the CUDA runtime's calls: no step is given the last one's arrows")
+    if torch.cuda.is_available():  # (Keras would train on the GPU)
+        pytest.skip("Keras on torch trains on the GPU here")
+    given = []
+    give = BorrowedStep.give
+    monkeypatch.setattr(BorrowedStep, "give", lambda self, stats, *args: given.append(stats) or give(self, stats,
+                                                                                                        *args))
+
+    class Exports(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.state, self.steps = {}, []
+
+        def on_train_batch_begin(self, batch, logs=None):
+            self.tracer = TorchTracer(self.model)
+            self.tracer.bind_fit(self.state)
+            self.tracer.start(TENSORS)
+
+        def on_train_batch_end(self, batch, logs=None):
+            exported = self.tracer.stop_recording().export()
+            self.steps.append((exported, exported.to_stats()))
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    rng = np.random.default_rng(0)
+    exports = Exports()
+    model.fit(rng.standard_normal((32, 8)).astype("float32"), rng.standard_normal((32, 1)).astype("float32"),
+              batch_size=8, epochs=1, callbacks=[exports], verbose=0)
+    (walked, _), (exported, stats), *_ = exports.steps
+    assert walked.identity[0] == "record" and exported.identity[0] == BORROW
+    assert any(s is stats for s in given) and DATAFLOW_MISSING not in stats.metadata
+    found = full_path(exported)
+    assert len(found.edges) > 10 and len(found.allocations) > 10
+    assert rendered(stats) == rendered(found)
