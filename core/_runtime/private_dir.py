@@ -38,7 +38,7 @@ class PrivateDirectory:
         self._parent = parent
         self._claimed: dict[str, tuple[str, int]] = {}  # parent -> (directory, its lock's descriptor)
         self._pid = os.getpid()
-        self._pattern = re.compile(rf"^{re.escape(prefix)}(\d+)-")
+        self._pattern = re.compile(rf"^\.?{re.escape(prefix)}(\d+)-")  # (its staging name too: `path`)
 
     def path(self) -> str:
         """The directory, made (and the stale ones of dead processes removed) if it is not there."""
@@ -51,9 +51,17 @@ class PrivateDirectory:
                 return claimed[0]
             self._drop(parent)  # removed under us (a tmp cleaner): made again below
         remove_unclaimed(parent, self._pattern)
-        path = tempfile.mkdtemp(prefix=f"{self.prefix}{os.getpid()}-", dir=parent)
-        fd = os.open(os.path.join(path, OWNER_FILE), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        # made under a staging name, claimed, then renamed: no one ever sees it by its name without its lock file
+        staging = tempfile.mkdtemp(prefix=f".{self.prefix}{os.getpid()}-", dir=parent)
+        fd = os.open(os.path.join(staging, OWNER_FILE), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # (new and ours: never contended)
+        path = os.path.join(parent, os.path.basename(staging)[1:])
+        try:
+            os.rename(staging, path)
+        except OSError:
+            os.close(fd)
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
         self._claimed[parent] = (path, fd)
         return path
 
