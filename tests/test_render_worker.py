@@ -109,33 +109,23 @@ def test_the_export_gives_torchs_own_times_shapes_and_types_to_the_nanosecond(tm
 
 
 class KillingPipeline(CapturePipeline):
-    """Arms the kill when the step to kill goes to the render worker."""
+    """Sends SIGKILL to the render worker 50 ms after the wait for step `kill_at`'s render began (the worker has
+    sent the step before's reply, so it renders this one: each takes a few hundred ms)."""
 
-    kill_at, armed = None, False
+    kill_at = None
 
     def render_elsewhere(self, job, exported):
-        self.armed = job.step == self.kill_at
+        if job.step == self.kill_at:
+            threading.Timer(0.05, os.kill, (worker.WORKER._process.pid, signal.SIGKILL)).start()
         return super().render_elsewhere(job, exported)
 
 
 class KillingHook(profiler_hook.ProfilerHook):
-    """Sends SIGKILL to the render worker 50 ms after the request to render `step` is sent."""
-
     pipeline_class = KillingPipeline
 
-    def __init__(self, step, monkeypatch, **kwargs):
+    def __init__(self, step, **kwargs):
         super().__init__(**kwargs)
-        pipeline = self.pipeline
-        pipeline.kill_at = step
-        send = worker._send_within
-
-        def send_then_kill(fd, data, peer, deadline):
-            send(fd, data, peer, deadline)
-            if pipeline.armed:
-                pipeline.armed = False
-                threading.Timer(0.05, os.kill, (worker.WORKER._process.pid, signal.SIGKILL)).start()
-
-        monkeypatch.setattr(worker, "_send_within", send_then_kill)
+        self.pipeline.kill_at = step
 
 
 class HoldingPipeline(CapturePipeline):
@@ -215,9 +205,9 @@ class WideModel(TinyModel):
         return self.fc2(self.extra(torch.relu(self.fc1(x))))
 
 
-def test_a_worker_killed_mid_render_costs_that_timeline_only(tmp_path, caplog, monkeypatch):
+def test_a_worker_killed_mid_render_costs_that_timeline_only(tmp_path, caplog):
     out = tmp_path / "prof"
-    hook = KillingHook(3, monkeypatch, save_steps=1, output_dir=str(out))
+    hook = KillingHook(3, save_steps=1, output_dir=str(out))
     fit = trainer(str(tmp_path), [HookCallback([hook])], max_steps=5)
     with caplog.at_level(logging.WARNING):
         fit.fit(WideModel(), loader(n=40))
@@ -250,13 +240,90 @@ def test_what_the_worker_is_told_while_busy_runs_before_its_next_call():
     worker.WORKER.call(worker_probe.pid)  # (a worker that has answered)
     busy = threading.Thread(target=worker.WORKER.call, args=(worker_probe.burn, 0.5))
     busy.start()
-    while not worker.WORKER._lock.locked():
+    while not worker.WORKER._reading.locked():
         time.sleep(0.001)
     start = time.monotonic()
     worker.WORKER.tell(worker_probe.note, "fit 1 ended")
     assert time.monotonic() - start < 0.25  # (not waited for)
     busy.join()
     assert worker.WORKER.call(worker_probe.notes) == ["fit 1 ended"]
+
+
+def test_the_worker_runs_the_next_call_sent_while_the_last_ones_reply_waits_to_be_read():
+    """Calls sent before the last one's result is taken (`post`) run one after the other in the worker, each as
+    soon as the one before has ended: a reply of megabytes, far over what the pipe or socket holds, waits there
+    for the training process to read it (which waits for the GIL the training thread holds through torch's
+    profiler stop) without holding up the next call. Results are taken in the order sent, whoever takes them."""
+    own = worker.Worker()
+    try:
+        own.call(worker_probe.pid)  # (started)
+        sent = time.monotonic()
+        first = own.post(worker_probe.timed_bytes, 0.2, 16 << 20)
+        second = own.post(worker_probe.timed_bytes, 0.2, 16 << 20)
+        time.sleep(1.5)  # (nothing read meanwhile)
+        read = time.monotonic()
+        second_started, second_ended, data = own.take(second)  # (reads the first's reply on the way)
+        first_started, first_ended, _ = own.take(first)
+        assert sent < first_started < first_ended <= second_started < read
+        assert second_started - first_ended < 0.5 and len(data) == 16 << 20
+    finally:
+        own.stop()
+
+
+def test_a_worker_killed_mid_call_costs_that_call_and_the_ones_sent_after_it_go_to_a_new_worker():
+    own = worker.Worker()
+    try:
+        killed = own.call(worker_probe.pid)
+        running = own.post(worker_probe.timed_bytes, 30, 1)
+        queued = [own.post(worker_probe.pid) for _ in range(2)]
+        told = own.post(worker_probe.notes)
+        time.sleep(0.5)
+        os.kill(killed, signal.SIGKILL)
+        with pytest.raises(worker.WorkerFailed, match="killed by SIGKILL"):
+            own.take(running)
+        pids = {own.take(ticket, timeout=30) for ticket in queued}
+        assert len(pids) == 1 and killed not in pids and own.take(told) == []
+    finally:
+        own.stop()
+
+
+def test_a_call_sent_to_a_worker_that_died_after_answering_goes_to_a_new_one():
+    """The worker answered the call before and died before its reply was read; the next call, sent meanwhile,
+    found no one to take it: it is no call the dead worker ran, so it goes to a new worker rather than fail."""
+    own = worker.Worker()
+    try:
+        dead = own.call(worker_probe.pid)
+        answered = own.post(worker_probe.pid)
+        time.sleep(0.3)  # (answered: the reply waits to be read)
+        os.kill(dead, signal.SIGKILL)
+        while own._process.poll() is None:
+            time.sleep(0.01)
+        later = own.post(worker_probe.pid)
+        assert own.take(answered) == dead
+        assert own.take(later, timeout=30) not in (dead, None)
+    finally:
+        own.stop()
+
+
+def test_what_a_worker_was_told_goes_with_it_and_the_next_call_starts_a_new_one():
+    """A fit's end tells the worker to forget the fit, and no one reads what it answers; the last fit's end then
+    stops it (or it dies). The next fit's first call starts a new worker, which was told nothing."""
+    own = worker.Worker()
+    try:
+        for end in ("stopped", "killed"):
+            first = own.call(worker_probe.pid)
+            own.tell(worker_probe.note, "fit ended")
+            if end == "stopped":
+                own.stop()
+            else:
+                time.sleep(0.2)  # (the tell has run)
+                os.kill(first, signal.SIGKILL)
+                while own._process.poll() is None:
+                    time.sleep(0.01)
+            assert own.call(worker_probe.pid, timeout=30) != first
+            assert own.call(worker_probe.notes) == []
+    finally:
+        own.stop()
 
 
 @pytest.mark.parametrize("how", ["killed", "exits, a forked child holding the pipe"])
@@ -425,14 +492,14 @@ def test_a_worker_that_dies_before_answering_makes_the_hook_render_in_process(tm
 
 
 def test_a_step_the_worker_cannot_take_costs_its_timeline_only(tmp_path, monkeypatch, caplog):
-    call = worker.WORKER.call
+    post = worker.WORKER.post
 
     def refuse_step_4(fn, exported, writer, spec, timeout=None, stall=None):
         if spec.step == 4:
             raise TypeError("cannot pickle 'generator' object")  # (what an unpicklable field would raise)
-        return call(fn, exported, writer, spec, timeout=timeout, stall=stall)
+        return post(fn, exported, writer, spec, timeout=timeout, stall=stall)
 
-    monkeypatch.setattr(worker.WORKER, "call", refuse_step_4)
+    monkeypatch.setattr(worker.WORKER, "post", refuse_step_4)
     out = tmp_path / "prof"
     hook = profiler_hook.ProfilerHook(save_steps=2, output_dir=str(out))
     with caplog.at_level(logging.WARNING):

@@ -51,3 +51,13 @@ def note(text: str) -> None:
 
 def notes() -> list[str]:
     return list(NOTES)
+
+
+def timed_bytes(seconds: float, size: int) -> tuple[float, float, bytes]:
+    """Sleep `seconds`, then return when it began and ended (`time.monotonic()`, the same clock in every process
+    of the machine) with `size` bytes."""
+    import time
+
+    start = time.monotonic()
+    time.sleep(seconds)
+    return start, time.monotonic(), b"x" * size

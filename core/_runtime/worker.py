@@ -8,21 +8,32 @@ does) plus the compact event tree for dataflow and memory (`hookprof.tracing.kin
 the bytes to write.
 
 `WORKER.call(fn, *args)` runs `fn(*args)` there and returns its result. `fn` must be a module-level function
-(pickled by name), and the arguments and result must pickle. The caller blocks reading a pipe, with the GIL
-released. Details:
+(pickled by name), and the arguments and result must pickle. `WORKER.post(fn, *args)` sends the call and
+returns at once; `WORKER.take(ticket)`, on any thread, waits for its result. Details:
+- Nothing waits for the training process's GIL between two calls. The training thread holds it for 100 ms
+  and more at a time (torch's profiler stop, kineto's export), and a reply of a 20k-op step is 5-13 MB, so:
+  - the next call is sent before the last one's reply is read (`post`): the worker starts it as soon as it
+    has handed that reply over;
+  - the worker hands a reply to a thread of its own, which sends it while the worker goes on;
+  - replies come over a socket, and a reply's body is read in one call without the GIL (`MSG_WAITALL`;
+    a pipe gives 64 KiB a read, and each read needs the GIL back). Requests go through a pipe of 1 MiB
+    where Linux allows it, so that sending one rarely waits for the worker.
+  Measured at 20k events, every step traced with the defaults: the worker spent 50-90 ms a step waiting to
+  hand a reply over, and then waited for the next request; after, it waits for the training alone.
 - The worker is a fresh interpreter running `main()` here, not a fork. A fork would copy the
   training process page by page as it writes (measured: more than the work it moves). multiprocessing's
   spawn re-imports the user's `__main__`, which may be a training script with no `__main__` guard.
 - It starts at the first call, or earlier with `start()`, and serves calls one at a time.
-- It ends when the training process closes its pipe (at exit) or dies.
+- It ends when the training process tells it to (`stop`: the last fit open ends, the process exits), closes
+  its pipe, or dies.
 - Its hookprof log records come back with each result and are logged here, as if here.
 - A worker that dies mid-call (killed, out of memory) raises `WorkerFailed` here, as does one that has not
   answered within the call's `timeout`, or that has answered before and then used no CPU for the call's `stall`
   seconds (it hangs: stopped with SIGSTOP, stuck on a stalled disk; Linux, where `/proc` shows its CPU time):
   it is killed. A slow worker (a loaded machine) is never judged so, nor is one that has not answered yet (it
-  starts: an interpreter and its imports). The next call starts a new one. A worker that dies
-  before ever answering (it cannot import hookprof from here) makes every later call raise OSError at once:
-  the caller does the work itself.
+  starts: an interpreter and its imports). The calls sent after the one it ran go to a new one. A worker that
+  dies before ever answering (it cannot import hookprof from here) makes every later call raise OSError at
+  once: the caller does the work itself.
 - Linux and macOS only (`AVAILABLE`); elsewhere the caller does the work on its own thread.
 """
 
@@ -37,16 +48,23 @@ import importlib
 import logging
 import os
 import pickle
+import queue
 import select
 import signal
+import socket
 import struct
 import subprocess
 import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import IO, Any
+
+try:
+    import fcntl
+except ImportError:  # (not POSIX: no worker runs there, see AVAILABLE)
+    fcntl = None
 
 AVAILABLE = os.name == "posix"
 _LENGTH = struct.Struct("<Q")
@@ -56,44 +74,61 @@ _EXIT_SECONDS = 5.0  # how long the training process's exit waits for the worker
 # fewer free cores than the training and the worker need, the training's threads run first (the worker still gets
 # a share, and its stalls are judged by its CPU time, not by how long it takes)
 WORKER_NICE = 10
+_REQUEST_PIPE_BYTES = 1 << 20  # the request pipe's buffer (`Worker.post`)
 FULL_COLLECTION_CALLS = 16  # the worker's cyclic collector looks at what outlives calls once per this many calls
 
 log = logging.getLogger(__name__)
-
-
-@contextlib.contextmanager
-def _held(lock: threading.Lock, timeout: float | None) -> Iterator[bool]:
-    """`lock` held for the block, waited for `timeout` seconds at most (None: as long as it takes): whether
-    it was taken."""
-    taken = lock.acquire(timeout=-1 if timeout is None else timeout)
-    try:
-        yield taken
-    finally:
-        if taken:
-            lock.release()
 
 
 class WorkerFailed(RuntimeError):
     """The worker ended without a result (a signal, an exit), or the function raised there."""
 
 
+class _Ticket:
+    """A request posted to the worker (`Worker.post`): `Worker.take` waits for its reply and gives its result."""
+
+    __slots__ = ("request", "process", "delivered", "reply", "error", "discard")
+
+    def __init__(self, request: bytes, discard: bool = False) -> None:
+        self.request = request
+        # the worker it was sent to; None once that worker died with an earlier request: sent again by `take`
+        self.process: subprocess.Popen | None = None
+        self.delivered = False  # whether the request went into the worker's pipe whole
+        self.reply: bytes | bytearray | None = None
+        self.error: BaseException | None = None
+        self.discard = discard  # a `tell`: no one takes it; its reply is dropped when read
+
+
 class Worker:
-    """The training process's side: starts the worker process on demand and calls functions there."""
+    """The training process's side: starts the worker process on demand and sends it calls, which it runs one at
+    a time, in the order sent.
+
+    A call can be sent (`post`) before the worker has finished the calls before it, and its result taken
+    (`take`) later, from another thread: the worker then starts it as soon as it has sent the previous one's
+    reply, without waiting for this process to read that reply and send the next request (the training
+    thread holds this process's GIL for 100 ms and more at a time in torch's profiler stop, which a reader here
+    waits for). Replies are read in the order sent, whoever reads them. A worker that dies or is killed mid-call
+    costs that call (the first unread one: the call it was running) and no other: the calls sent after it go
+    to a new worker."""
 
     def __init__(self) -> None:
         self._process: subprocess.Popen | None = None
         self._answered = False  # whether the running worker ever answered (one that never does is broken)
         self._broken: str | None = None  # why workers cannot run here: callers render themselves
-        self._lock = threading.Lock()  # one call at a time (the pipe carries one conversation)
-        # tells skipped while the worker was busy (`tell`): run before its next call, in the same request
-        self._told: collections.deque[tuple[Callable[..., Any], tuple[Any, ...]]] = collections.deque(maxlen=256)
+        # the process and the order of requests: held to send one (whole, in order) and to end a failed worker
+        self._lock = threading.Lock()
+        self._reading = threading.Lock()  # one reader of the replies at a time
+        # the calls sent to `_process` whose replies are not read yet, in the order sent
+        self._outstanding: collections.deque[_Ticket] = collections.deque()
+        self._killed: tuple[subprocess.Popen, WorkerFailed] | None = None  # killed by a sender, and why
 
     def start(self, preload: tuple[str, ...] = ()) -> None:
         """Start the worker now, if not running, importing the `preload` modules while the caller goes on
         (an interpreter and its imports take a second or so)."""
         if self._lock.acquire(blocking=False):  # (busy: it runs already)
             try:
-                self._started(preload)
+                if self._replaceable():
+                    self._started(preload)
             finally:
                 self._lock.release()
 
@@ -103,71 +138,138 @@ class Worker:
         not answered after `timeout` seconds, or it used no CPU for `stall` seconds (it is killed then: a hung
         one must not hold up the training process's end); OSError when no worker can run here (it cannot
         start, or the first one died, or used no CPU for `stall` seconds, before answering)."""
-        return self._call(fn, args, timeout, start=True, stall=stall)
+        return self.take(self.post(fn, *args, timeout=timeout, stall=stall), timeout=timeout, stall=stall)
+
+    def post(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None,
+             stall: float | None = None) -> _Ticket:
+        """Send `fn(*args)` to the worker (started if need be) and return at once, without its result: `take`
+        gives it. Raises OSError when no worker can run here, and what pickling the call raises. A worker that
+        does not take the request (its pipe full: it is stopped, or hangs) within `timeout` seconds, or uses no
+        CPU for `stall` seconds meanwhile, is killed: `take` says so."""
+        ticket = _Ticket(pickle.dumps((fn, args), protocol=pickle.HIGHEST_PROTOCOL))
+        self._send(ticket, timeout, stall, start=True)
+        return ticket
+
+    def take(self, ticket: _Ticket, timeout: float | None = None, stall: float | None = None) -> Any:
+        """The result of the call `post` sent, once the worker has run it; raises as `call` does. `timeout` and
+        `stall` judge the worker from now on."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._reading:
+            while ticket.reply is None and ticket.error is None:
+                if ticket.process is None:  # (its worker died with an earlier call: sent to a new one)
+                    self._send(ticket, timeout, stall, start=True)
+                    continue
+                self._read_next(ticket.process, deadline, timeout, stall)
+        if ticket.error is not None:
+            raise ticket.error
+        return _result(ticket.reply)
 
     def tell(self, fn: Callable[..., Any], *args: Any, timeout: float = _EXIT_SECONDS) -> None:
         """`fn(*args)` in the worker if one runs, for what it holds (a fit's end: what it kept for that fit); none
-        is started for it (a new one holds nothing). One busy with a call is not waited for: it runs `fn` before
-        its next call. A failure is logged, never raised: the worker that failed is gone, and what it held with
-        it."""
+        is started for it (a new one holds nothing). Not waited for: the worker runs it after the calls sent
+        before it. A failure is logged, never raised: the worker that failed is gone, and what it held with it."""
         try:
-            self._call(fn, args, timeout, start=False)
-        except (WorkerFailed, OSError) as err:
+            self._send(_Ticket(pickle.dumps((fn, args), protocol=pickle.HIGHEST_PROTOCOL), discard=True), timeout,
+                       None, start=False)
+        except OSError as err:
             log.debug("The render worker could not run %s: %s", getattr(fn, "__name__", fn), err)
 
-    def _call(self, fn: Callable[..., Any], args: tuple[Any, ...], timeout: float | None, start: bool,
-              stall: float | None = None) -> Any:
-        with _held(self._lock, None if start else 0) as held:
-            if not held:  # (busy with another fit's step: a `tell` is not waited for, it goes with the next call)
-                self._told.append((fn, args))
-                return None
+    def _send(self, ticket: _Ticket, timeout: float | None, stall: float | None, start: bool) -> None:
+        """Send `ticket`'s request to the running worker (one started if `start`; else none is sent to a worker
+        that is not running or has not answered yet: it holds nothing). A worker whose replies wait to be read
+        is never replaced here: one that died goes with the reader's next read (`_read_next`)."""
+        with self._lock:
             process = self._process
-            if start:
-                process = self._started()
-            elif process is None or process.poll() is not None or not self._answered:
-                return None  # (one still starting holds nothing yet)
-            told = []
-            while self._told:
-                told.append(self._told.popleft())
-            call = (_after_told, (told, fn, args)) if told else (fn, args)
-            request = pickle.dumps(call, protocol=pickle.HIGHEST_PROTOCOL)
-            reply = None
+            if self._replaceable():
+                if start:
+                    process = self._started()
+                elif process is None or process.poll() is not None or not self._answered:
+                    return
+            ticket.process, ticket.delivered = process, False
+            self._outstanding.append(ticket)
             deadline = None if timeout is None else time.monotonic() + timeout
-            peer = _Progress(process, stall) if stall is not None else process
             try:
-                _send_within(process.stdin.fileno(), request, peer, deadline)
-                reply = _receive(process.stdout.fileno(), peer, deadline)
-            except _Stalled:
-                self._discard(process)
-                if not self._answered:  # (hung while starting, its imports stuck: so would the next one be)
-                    self._broken = f"it used no CPU for {stall:g} s before answering once (hung while starting)"
-                    raise OSError(errno.ECHILD, self._broken) from None
-                raise WorkerFailed(f"the render worker used no CPU for {stall:g} s (hung: stopped, or stuck on "
-                                   "its disk) and was killed; a new one renders the next steps") from None
-            except TimeoutError:
-                self._discard(process)
-                raise WorkerFailed(f"the render worker took more than {timeout:g} s and was stopped") from None
-            except OSError:  # the worker's end of the pipe is gone: it died
-                pass
-            except BaseException:  # the conversation is broken: a new worker for the next call
-                self._discard(process)
-                raise
-            if reply is None:
-                self._discard(process)
+                _send_within(process.stdin.fileno(), ticket.request, _Progress(process, stall) if stall is not None
+                             else process, deadline)
+                ticket.delivered = True
+            except BaseException as err:  # (gone, hung, or the request cut short: the conversation is broken)
+                with contextlib.suppress(OSError):
+                    process.kill()  # (its reader finds it ended: the calls sent before this one are its to judge)
+                if isinstance(err, TimeoutError):  # (and _Stalled) it took no request for that long: it hangs
+                    self._outstanding.remove(ticket)
+                    ticket.error = self._judged(err, timeout, stall)
+                    self._killed = (process, ticket.error)
+                elif not isinstance(err, OSError):  # (OSError: it was gone, and this call goes to a new one)
+                    raise
+
+    def _replaceable(self) -> bool:
+        """Whether no call sent to the running worker waits for its reply, so that one that ended may be replaced
+        (`_lock` held). Tells sent to one that ended are dropped: what they would have cleared went with it."""
+        process = self._process
+        if (process is None or process.poll() is not None) and all(sent.discard for sent in self._outstanding):
+            self._outstanding.clear()
+        return not self._outstanding
+
+    def _read_next(self, process: subprocess.Popen, deadline: float | None, timeout: float | None,
+                   stall: float | None) -> None:
+        """Read the next reply of `process`, into the first unread call. A worker that ended, hung or took too long
+        is killed: the first unread call fails (the one it ran), the later ones are sent again to a new one."""
+        peer = _Progress(process, stall) if stall is not None else process
+        error: BaseException | None = None
+        reply = None
+        try:
+            reply = _receive_whole(process.stdout, peer, deadline)
+        except TimeoutError as err:  # (and _Stalled)
+            error = self._judged(err, timeout, stall)
+        except OSError:  # the worker's end of the pipe is gone: it died
+            pass
+        except BaseException as err:  # the conversation is broken: a new worker for the next call
+            error = err
+        with self._lock:
+            sent = [ticket for ticket in self._outstanding if ticket.process is process]  # (none once stopped)
+            # the first it took whole: the one this reply answers, or the one it ran when it ended
+            ran = next((ticket for ticket in sent if ticket.delivered), None)
+            if reply is not None:
+                self._answered = self._answered or self._process is process
+                if ran is not None:
+                    self._outstanding.remove(ran)
+                    if ran.discard:
+                        with contextlib.suppress(WorkerFailed):
+                            _result(reply)  # (its log records)
+                    else:
+                        ran.reply = reply
+                return
+            for ticket in sent:
+                self._outstanding.remove(ticket)
+            if self._process is process:
+                self._process = None
+            _end(process)
+            killed, self._killed = self._killed, None
+            if error is None and killed is not None and killed[0] is process:
+                error = killed[1]  # (killed by a sender, which judged it hung)
+            if error is None:
                 reason = _ended(process)
                 if not self._answered:
                     self._broken = f"{reason} before answering once"
-                    raise OSError(errno.ECHILD, self._broken)
-                raise WorkerFailed(reason)
-            self._answered = True
-        ok, value, records = pickle.loads(reply)
-        for record in records:
-            logger = logging.getLogger(record.name)
-            if logger.isEnabledFor(record.levelno):  # (the levels set here rule, as for records made here)
-                logger.handle(record)
-        if not ok:
-            raise WorkerFailed(value)
-        return value
+                error = WorkerFailed(reason)
+            if self._broken is not None:
+                error = OSError(errno.ECHILD, self._broken)
+            for ticket in sent:
+                if ticket is ran or ticket.discard:  # (and tells to a worker gone: what they clear went with it)
+                    ticket.error = error
+                else:
+                    ticket.process = None  # (`take` sends it to a new worker)
+        if not isinstance(error, (WorkerFailed, OSError)):
+            raise error
+
+    def _judged(self, err: TimeoutError, timeout: float | None, stall: float | None) -> WorkerFailed:
+        """Why a worker judged hung (`_Stalled`) or slow (a timeout) was killed."""
+        if isinstance(err, _Stalled):
+            if not self._answered:  # (hung while starting, its imports stuck: so would the next one be)
+                self._broken = f"it used no CPU for {stall:g} s before answering once (hung while starting)"
+            return WorkerFailed(f"the render worker used no CPU for {stall:g} s (hung: stopped, or stuck on its "
+                                "disk) and was killed; a new one renders the next steps")
+        return WorkerFailed(f"the render worker took more than {timeout:g} s and was stopped")
 
     def _started(self, preload: tuple[str, ...] = ()) -> subprocess.Popen:
         if self._broken is not None:
@@ -187,19 +289,36 @@ class Worker:
             code = (f"import os; os.nice({WORKER_NICE}); from hookprof._runtime.worker import main; "
                     f"main({os.getpid()}, {tuple(preload)!r})")
             stderr = None if sys.stderr is not None else subprocess.DEVNULL
-            process = self._process = subprocess.Popen(
-                [sys.executable, "-P", "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                stderr=stderr, env=env, close_fds=True)
+            # its replies come over a socket, not a pipe: a reply is read whole in one call, without the GIL
+            # (`_receive_whole`); it stands where the process's stdout pipe would (closed with it, by `_end`)
+            ours, theirs = socket.socketpair()
+            try:
+                process = subprocess.Popen(
+                    [sys.executable, "-P", "-c", code], stdin=subprocess.PIPE, stdout=theirs.fileno(),
+                    stderr=stderr, env=env, close_fds=True)
+            except BaseException:
+                ours.close()
+                raise
+            finally:
+                theirs.close()
+            process.stdout = ours
+            # requests are sent while it renders the one before (`post`): a pipe of 1 MiB (Linux's most for
+            # a process without privileges) takes a walked step's identities whole, so that the sender does not
+            # wait for the worker to finish; where it cannot be had, the sender waits
+            with contextlib.suppress(AttributeError, OSError):
+                fcntl.fcntl(process.stdin.fileno(), fcntl.F_SETPIPE_SZ, _REQUEST_PIPE_BYTES)
+            self._process = process
             self._answered = False
         return process
 
-    def _discard(self, process: subprocess.Popen) -> None:
-        self._process = None
-        _end(process)
-
     def stop(self) -> None:
-        """End the worker (at the training process's exit): it is told to quit, finishes and exits."""
-        process, self._process = self._process, None
+        """End the worker (at the training process's exit, and a fit's end): it is told to quit, finishes what it
+        was sent and exits. Calls whose results were not taken yet fail."""
+        with self._lock:
+            process, self._process = self._process, None
+            for ticket in self._outstanding:
+                ticket.error = WorkerFailed("the render worker was stopped")
+            self._outstanding.clear()
         if process is None:
             return
         try:
@@ -229,19 +348,21 @@ class Worker:
         """In a forked child (a DataLoader worker): the worker is the parent's; this process starts its own
         if it ever needs one."""
         self._process = None
-        self._lock = threading.Lock()
-        self._told = collections.deque(maxlen=256)
+        self._lock, self._reading = threading.Lock(), threading.Lock()
+        self._outstanding = collections.deque()
 
 
-def _after_told(told: list[tuple[Callable[..., Any], tuple[Any, ...]]], fn: Callable[..., Any],
-                args: tuple[Any, ...]) -> Any:
-    """In the worker: the tells skipped while it was busy (`Worker.tell`), then the call."""
-    for tell_fn, tell_args in told:
-        try:
-            tell_fn(*tell_args)
-        except Exception:  # (a tell's failure is no call's)
-            log.debug("The render worker could not run %s", getattr(tell_fn, "__name__", tell_fn), exc_info=True)
-    return fn(*args)
+def _result(reply: bytes | bytearray) -> Any:
+    """A call's result from its reply: the worker's log records logged here, as if made here; `WorkerFailed` raised
+    when the call raised there."""
+    ok, value, records = pickle.loads(reply)
+    for record in records:
+        logger = logging.getLogger(record.name)
+        if logger.isEnabledFor(record.levelno):  # (the levels set here rule, as for records made here)
+            logger.handle(record)
+    if not ok:
+        raise WorkerFailed(value)
+    return value
 
 
 def _end(process: subprocess.Popen) -> None:
@@ -308,6 +429,45 @@ def _receive(fd: int, peer: subprocess.Popen | _Progress | int, deadline: float 
         if want == _LENGTH.size and len(buffer) >= want:
             want += _LENGTH.unpack_from(buffer)[0]
     return bytes(memoryview(buffer)[_LENGTH.size:want])
+
+
+def _receive_whole(replies: socket.socket, peer: subprocess.Popen | _Progress,
+                   deadline: float | None = None) -> bytearray | None:
+    """One length-prefixed reply from the worker, as `_receive` reads one (None when the worker ended before
+    sending it whole), but each part read in one call that returns when it is all there (`MSG_WAITALL`), which
+    waits without the GIL. A pipe's read returns at most what the pipe holds (64 KiB): each read of a reply of
+    megabytes then needed the GIL back, and while the training thread held it through torch's profiler stop
+    the worker waited to hand its reply over (15-146 ms a step at 20k events, longer than the render)."""
+    header = bytearray(_LENGTH.size)
+    if not _fill(replies, memoryview(header), peer, deadline):
+        return None
+    body = bytearray(_LENGTH.unpack(header)[0])
+    return body if _fill(replies, memoryview(body), peer, deadline) else None
+
+
+def _fill(replies: socket.socket, view: memoryview, peer: subprocess.Popen | _Progress,
+          deadline: float | None) -> bool:
+    """Fill `view` from `replies`; False when the worker ended first. The socket's own receive timeout
+    (`SO_RCVTIMEO`, _POLL_SECONDS at most) ends a call now and then, so that the worker's life and progress
+    (`_gone`), and `deadline` (TimeoutError), are checked as `_receive` checks them."""
+    got = 0
+    while got < len(view):
+        wait = _POLL_SECONDS if deadline is None else min(_POLL_SECONDS, deadline - time.monotonic())
+        if wait <= 0:
+            raise TimeoutError
+        seconds = int(wait)
+        replies.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO,
+                           struct.pack("ll", seconds, max(1, int((wait - seconds) * 1e6))))
+        try:
+            count = replies.recv_into(view[got:], 0, socket.MSG_WAITALL)
+        except (BlockingIOError, InterruptedError):  # (the timeout with nothing read: EAGAIN)
+            count = None
+        if count == 0:  # (the worker closed its end: it ended)
+            return False
+        got += count or 0
+        if got < len(view) and _gone(peer):
+            return False
+    return True
 
 
 class _Stalled(TimeoutError):
@@ -410,7 +570,22 @@ def main(parent: int, preload: tuple[str, ...] = ()) -> None:
     records = _Records()
     logger = logging.getLogger("hookprof")
     logger.handlers, logger.propagate = [records], False
-    while True:
+    # replies go out on a thread of their own: a reply of megabytes waits for the training process to read it,
+    # and the next call (sent already: `Worker.post`) runs meanwhile
+    outbox: queue.SimpleQueue[bytes] = queue.SimpleQueue()
+    gone = threading.Event()  # the training process is gone: its end of the replies closed
+
+    def send_replies() -> None:
+        while True:
+            data = outbox.get()
+            try:
+                _send(replies, data)
+            except OSError:
+                gone.set()
+                return
+
+    threading.Thread(target=send_replies, name="hookprof-replies", daemon=True).start()
+    while not gone.is_set():
         request = _receive(requests, parent)
         if not request:  # the training process ended, or said to quit (an empty message)
             return
@@ -424,10 +599,7 @@ def main(parent: int, preload: tuple[str, ...] = ()) -> None:
         except Exception:
             data = pickle.dumps((False, traceback.format_exc(), records.records))
         records.records = []
-        try:
-            _send(replies, data)
-        except OSError:  # the training process is gone
-            return
+        outbox.put(data)
         del request, result, data
         calls += 1
         gc.collect(2 if calls % FULL_COLLECTION_CALLS == 0 else 1)

@@ -361,7 +361,7 @@ class Job:
     """One traced step to write, with where it goes fixed on the training thread when the step ended (a next
     fit may change the hook's directory and event stream before the background thread gets to it)."""
 
-    __slots__ = ("step", "rank", "run_metadata", "path", "output_dir", "events", "spec")
+    __slots__ = ("step", "rank", "run_metadata", "path", "output_dir", "events", "spec", "ticket")
 
     def __init__(self, step: int, run_metadata: Any, session: Any, path: str, output_dir: str | None, events: Any,
                  capture: CaptureWindow | None, skipped: int = 0, profile_tab: bool = False,
@@ -390,6 +390,7 @@ class Job:
         profile_host = host if profile_tab and events is not None and output_dir is not None else None
         self.spec = RenderSpec(step, run_metadata.step, metadata, distributed, capture, tag, events is not None,
                                profile_host, fit)
+        self.ticket: Any = None  # its request to the render worker, once sent (`CapturePipeline.post`)
 
 
 class CapturePipeline:
@@ -540,6 +541,7 @@ class CapturePipeline:
                                     "(waited %.2f s), step %d has no timeline (counted in dropped_outputs). Trace "
                                     "less often to keep every traced step.", job.step, budget, job.step)
                     return
+                job.ticket = self.post(job, exported)
                 self._renders.append(RENDERS.submit(lambda: self.finish(job, self.render_elsewhere(job, exported))))
                 return
         stats = job.run_metadata.step_stats
@@ -564,12 +566,30 @@ class CapturePipeline:
             renders.popleft()
         return len(renders) < RENDERS_IN_FLIGHT
 
-    def render_elsewhere(self, job: Job, exported: Any) -> Rendered | None:
-        """On `RENDERS`: the step rendered by the render worker (here if none can start)."""
+    def post(self, job: Job, exported: Any) -> Any:
+        """On the background thread: send the exported step to the render worker now, so that it starts on it as
+        soon as it has rendered the steps before it, without waiting for `RENDERS` to read their replies (which
+        waits for the GIL: see `hookprof._runtime.worker`). None where it could not be sent: `render_elsewhere`
+        tries again and says why."""
         try:
-            rendered = worker.WORKER.call(render_step, exported, self.writer, job.spec,
-                                          timeout=self.options.render_timeout_seconds,
-                                          stall=self.options.render_stall_seconds)
+            return worker.WORKER.post(render_step, exported, self.writer, job.spec,
+                                      timeout=self.options.render_timeout_seconds,
+                                      stall=self.options.render_stall_seconds)
+        except Exception:
+            return None
+
+    def render_elsewhere(self, job: Job, exported: Any) -> Rendered | None:
+        """On `RENDERS`: the step rendered by the render worker (here if none can start), its request sent already
+        where it could be (`post`)."""
+        options, ticket = self.options, job.ticket
+        try:
+            if ticket is None:
+                rendered = worker.WORKER.call(render_step, exported, self.writer, job.spec,
+                                              timeout=options.render_timeout_seconds,
+                                              stall=options.render_stall_seconds)
+            else:
+                rendered = worker.WORKER.take(ticket, timeout=options.render_timeout_seconds,
+                                              stall=options.render_stall_seconds)
             # (the worker's copy of the step could not tell the tracer its identities did not fit: told here)
             report = getattr(exported, "report_mismatch", None)
             if rendered.dataflow_missing is not None and report is not None:
