@@ -109,15 +109,19 @@ def test_the_export_gives_torchs_own_times_shapes_and_types_to_the_nanosecond(tm
 
 
 class KillingPipeline(CapturePipeline):
-    """Sends SIGKILL to the render worker 50 ms after the wait for step `kill_at`'s render began (the worker has
-    sent the step before's reply, so it renders this one: each takes a few hundred ms)."""
+    """Sends SIGKILL to the render worker 50 ms after step `kill_at` went to it, idle (the steps before rendered
+    and read): it renders that step then (each takes a few hundred ms)."""
 
     kill_at = None
 
-    def render_elsewhere(self, job, exported):
-        if job.step == self.kill_at:
-            threading.Timer(0.05, os.kill, (worker.WORKER._process.pid, signal.SIGKILL)).start()
-        return super().render_elsewhere(job, exported)
+    def post(self, job, exported):
+        if job.step != self.kill_at:
+            return super().post(job, exported)
+        for render in list(self._renders):
+            render.wait()
+        ticket = super().post(job, exported)
+        threading.Timer(0.05, os.kill, (worker.WORKER._process.pid, signal.SIGKILL)).start()
+        return ticket
 
 
 class KillingHook(profiler_hook.ProfilerHook):
@@ -275,14 +279,52 @@ def test_a_worker_killed_mid_call_costs_that_call_and_the_ones_sent_after_it_go_
     try:
         killed = own.call(worker_probe.pid)
         running = own.post(worker_probe.timed_bytes, 30, 1)
-        queued = [own.post(worker_probe.pid) for _ in range(2)]
-        told = own.post(worker_probe.notes)
+        queued = [own.post(worker_probe.note, name) for name in ("first", "second")]
         time.sleep(0.5)
         os.kill(killed, signal.SIGKILL)
         with pytest.raises(worker.WorkerFailed, match="killed by SIGKILL"):
             own.take(running)
-        pids = {own.take(ticket, timeout=30) for ticket in queued}
-        assert len(pids) == 1 and killed not in pids and own.take(told) == []
+        later = own.post(worker_probe.note, "sent after the death")
+        assert own.take(later, timeout=30) is None  # (it is taken first, yet the two sent before it ran first)
+        assert [own.take(ticket) for ticket in queued] == [None, None]
+        assert own.call(worker_probe.notes) == ["first", "second", "sent after the death"]
+        assert own.call(worker_probe.pid) != killed
+    finally:
+        own.stop()
+
+
+def test_sending_a_call_never_waits_for_a_busy_worker():
+    """A request larger than what the worker's pipe takes at once (a walked step of many ops: 2 MiB here, the
+    pipe 1 MiB) is not written by `post`, which runs on the training process's background thread (the next
+    traced step waits for it), but by the thread that takes the result, which may wait."""
+    own = worker.Worker()
+    try:
+        own.call(worker_probe.pid)
+        busy = own.post(worker_probe.timed_bytes, 0.5, 1)
+        start = time.monotonic()
+        large = own.post(len, b"x" * (2 << 20))
+        small = own.post(len, b"x" * 100)
+        assert time.monotonic() - start < 0.1
+        assert own.take(small) == 100 and own.take(large) == 2 << 20 and own.take(busy)[2] == b"x"
+    finally:
+        own.stop()
+
+
+def test_a_worker_killed_while_its_last_reply_was_on_the_way_costs_the_call_it_ran_then():
+    """The worker had finished one call, whose reply of megabytes waited to be read, and ran the next when it
+    was killed: the reply cut short is not the call it ran. That one is sent again (the next worker answers
+    it); the one it ran fails."""
+    own = worker.Worker()
+    try:
+        killed = own.call(worker_probe.pid)
+        finished = own.post(worker_probe.timed_bytes, 0, 64 << 20)
+        running = own.post(worker_probe.timed_bytes, 30, 1)
+        time.sleep(1.0)  # (the first answered, its reply waiting for a reader; the second running)
+        os.kill(killed, signal.SIGKILL)
+        assert len(own.take(finished, timeout=30)[2]) == 64 << 20
+        with pytest.raises(worker.WorkerFailed, match="killed by SIGKILL"):
+            own.take(running)
+        assert own.call(worker_probe.pid) != killed
     finally:
         own.stop()
 
@@ -320,8 +362,9 @@ def test_what_a_worker_was_told_goes_with_it_and_the_next_call_starts_a_new_one(
                 os.kill(first, signal.SIGKILL)
                 while own._process.poll() is None:
                     time.sleep(0.01)
-            assert own.call(worker_probe.pid, timeout=30) != first
-            assert own.call(worker_probe.notes) == []
+            own.start()  # (a new one, though no one read what the last one answered)
+            assert own._process.pid != first
+            assert own.call(worker_probe.notes, timeout=30) == []
     finally:
         own.stop()
 
@@ -494,10 +537,10 @@ def test_a_worker_that_dies_before_answering_makes_the_hook_render_in_process(tm
 def test_a_step_the_worker_cannot_take_costs_its_timeline_only(tmp_path, monkeypatch, caplog):
     post = worker.WORKER.post
 
-    def refuse_step_4(fn, exported, writer, spec, timeout=None, stall=None):
+    def refuse_step_4(fn, exported, writer, spec):
         if spec.step == 4:
             raise TypeError("cannot pickle 'generator' object")  # (what an unpicklable field would raise)
-        return post(fn, exported, writer, spec, timeout=timeout, stall=stall)
+        return post(fn, exported, writer, spec)
 
     monkeypatch.setattr(worker.WORKER, "post", refuse_step_4)
     out = tmp_path / "prof"

@@ -16,8 +16,10 @@ returns at once; `WORKER.take(ticket)`, on any thread, waits for its result. Det
     has handed that reply over;
   - the worker hands a reply to a thread of its own, which sends it while the worker goes on;
   - replies come over a socket, and a reply's body is read in one call without the GIL (`MSG_WAITALL`;
-    a pipe gives 64 KiB a read, and each read needs the GIL back). Requests go through a pipe of 1 MiB
-    where Linux allows it, so that sending one rarely waits for the worker.
+    a pipe gives 64 KiB a read, and each read needs the GIL back);
+  - sending never waits (it runs on the background thread, which the next traced step waits for): a request
+    is written at once where it fits in the worker's pipe (1 MiB where Linux allows it: a walked 20k-op step
+    is about 0.6 MB), else by the thread that takes its result, after the ones before it.
   Measured at 20k events, every step traced with the defaults: the worker spent 50-90 ms a step waiting to
   hand a reply over, and then waited for the next request; after, it waits for the training alone.
 - The worker is a fresh interpreter running `main()` here, not a fork. A fork would copy the
@@ -31,8 +33,9 @@ returns at once; `WORKER.take(ticket)`, on any thread, waits for its result. Det
   answered within the call's `timeout`, or that has answered before and then used no CPU for the call's `stall`
   seconds (it hangs: stopped with SIGSTOP, stuck on a stalled disk; Linux, where `/proc` shows its CPU time):
   it is killed. A slow worker (a loaded machine) is never judged so, nor is one that has not answered yet (it
-  starts: an interpreter and its imports). The calls sent after the one it ran go to a new one. A worker that
-  dies before ever answering (it cannot import hookprof from here) makes every later call raise OSError at
+  starts: an interpreter and its imports). The calls sent after the one it ran go to a new one, in their
+  order (a call it had finished, whose reply was cut short, is one of them). A worker that dies before ever
+  answering (it cannot import hookprof from here) makes every later call raise OSError at
   once: the caller does the work itself.
 - Linux and macOS only (`AVAILABLE`); elsewhere the caller does the work on its own thread.
 """
@@ -63,8 +66,9 @@ from typing import IO, Any
 
 try:
     import fcntl
+    import termios
 except ImportError:  # (not POSIX: no worker runs there, see AVAILABLE)
-    fcntl = None
+    fcntl = termios = None
 
 AVAILABLE = os.name == "posix"
 _LENGTH = struct.Struct("<Q")
@@ -75,6 +79,7 @@ _EXIT_SECONDS = 5.0  # how long the training process's exit waits for the worker
 # a share, and its stalls are judged by its CPU time, not by how long it takes)
 WORKER_NICE = 10
 _REQUEST_PIPE_BYTES = 1 << 20  # the request pipe's buffer (`Worker.post`)
+_PIPE_MARGIN = 64 << 10  # room a request leaves in the pipe to be written there at once (its pages, others' tells)
 FULL_COLLECTION_CALLS = 16  # the worker's cyclic collector looks at what outlives calls once per this many calls
 
 log = logging.getLogger(__name__)
@@ -85,15 +90,16 @@ class WorkerFailed(RuntimeError):
 
 
 class _Ticket:
-    """A request posted to the worker (`Worker.post`): `Worker.take` waits for its reply and gives its result."""
+    """A call sent, or to be sent, to the worker (`Worker.post`, `Worker.tell`): `Worker.take` waits for its reply
+    and gives its result."""
 
     __slots__ = ("request", "process", "delivered", "reply", "error", "discard")
 
     def __init__(self, request: bytes, discard: bool = False) -> None:
-        self.request = request
-        # the worker it was sent to; None once that worker died with an earlier request: sent again by `take`
+        self.request: bytes | None = request  # (dropped once answered)
+        # the worker it was sent to; None while it waits to be sent (`Worker._unsent`)
         self.process: subprocess.Popen | None = None
-        self.delivered = False  # whether the request went into the worker's pipe whole
+        self.delivered = False  # whether the request went into that worker's pipe whole
         self.reply: bytes | bytearray | None = None
         self.error: BaseException | None = None
         self.discard = discard  # a `tell`: no one takes it; its reply is dropped when read
@@ -104,31 +110,36 @@ class Worker:
     a time, in the order sent.
 
     A call can be sent (`post`) before the worker has finished the calls before it, and its result taken
-    (`take`) later, from another thread: the worker then starts it as soon as it has sent the previous one's
-    reply, without waiting for this process to read that reply and send the next request (the training
-    thread holds this process's GIL for 100 ms and more at a time in torch's profiler stop, which a reader here
-    waits for). Replies are read in the order sent, whoever reads them. A worker that dies or is killed mid-call
-    costs that call (the first unread one: the call it was running) and no other: the calls sent after it go
-    to a new worker."""
+    (`take`) later, from another thread: the worker starts it as soon as it has handed the previous reply to
+    its sending thread, without waiting for this process to read that reply or send the next request. Only a
+    taker waits for the worker: `post` and `tell` send a request only where it fits in the request pipe at
+    once, and leave it to the next `take` (which sends every request before its own, in order) otherwise.
+    Replies are read in the order sent, by whoever takes. A worker that dies, hangs or takes too long costs the
+    call it ran: the first it took whole, or the next one if it had finished that one (its reply came cut
+    short); the calls sent after it go to a new worker, in their order, before any later one."""
 
     def __init__(self) -> None:
         self._process: subprocess.Popen | None = None
         self._answered = False  # whether the running worker ever answered (one that never does is broken)
         self._broken: str | None = None  # why workers cannot run here: callers render themselves
-        # the process and the order of requests: held to send one (whole, in order) and to end a failed worker
+        self._capacity: int | None = None  # the running worker's request pipe's size, where it can be known
+        # the process and the queues below: held to change them and to write a request that fits at once
         self._lock = threading.Lock()
-        self._reading = threading.Lock()  # one reader of the replies at a time
+        self._reading = threading.Lock()  # held by a taker: one thread waits for the worker at a time
         # the calls sent to `_process` whose replies are not read yet, in the order sent
         self._outstanding: collections.deque[_Ticket] = collections.deque()
-        self._killed: tuple[subprocess.Popen, WorkerFailed] | None = None  # killed by a sender, and why
+        # the calls not sent yet, in order (no later one is sent before them): ones that did not fit in the pipe
+        # at once, ones sent while a taker was writing, and the ones a dead worker had not run
+        self._unsent: collections.deque[_Ticket] = collections.deque()
+        self._writing = False  # a taker writes a request, waiting for the pipe to take it
+        self._killed: tuple[subprocess.Popen, Exception] | None = None  # killed by a taker's write, and why
 
     def start(self, preload: tuple[str, ...] = ()) -> None:
         """Start the worker now, if not running, importing the `preload` modules while the caller goes on
         (an interpreter and its imports take a second or so)."""
         if self._lock.acquire(blocking=False):  # (busy: it runs already)
             try:
-                if self._replaceable():
-                    self._started(preload)
+                self._current(start=True, preload=preload)
             finally:
                 self._lock.release()
 
@@ -138,17 +149,30 @@ class Worker:
         not answered after `timeout` seconds, or it used no CPU for `stall` seconds (it is killed then: a hung
         one must not hold up the training process's end); OSError when no worker can run here (it cannot
         start, or the first one died, or used no CPU for `stall` seconds, before answering)."""
-        return self.take(self.post(fn, *args, timeout=timeout, stall=stall), timeout=timeout, stall=stall)
+        return self.take(self.post(fn, *args), timeout=timeout, stall=stall)
 
-    def post(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None,
-             stall: float | None = None) -> _Ticket:
-        """Send `fn(*args)` to the worker (started if need be) and return at once, without its result: `take`
-        gives it. Raises OSError when no worker can run here, and what pickling the call raises. A worker that
-        does not take the request (its pipe full: it is stopped, or hangs) within `timeout` seconds, or uses no
-        CPU for `stall` seconds meanwhile, is killed: `take` says so."""
+    def post(self, fn: Callable[..., Any], *args: Any) -> _Ticket:
+        """Send `fn(*args)` to the worker (started if need be), without waiting for anything: its request goes
+        into the pipe now where it fits there at once, else with the next `take`. `take` gives its result.
+        Raises OSError when no worker can run here, and what pickling the call raises."""
         ticket = _Ticket(pickle.dumps((fn, args), protocol=pickle.HIGHEST_PROTOCOL))
-        self._send(ticket, timeout, stall, start=True)
+        with self._lock:
+            self._send_or_queue(ticket, self._current(start=True))
         return ticket
+
+    def tell(self, fn: Callable[..., Any], *args: Any) -> None:
+        """`fn(*args)` in the worker if one runs, for what it holds (a fit's end: what it kept for that fit); none
+        is started for it (a new one holds nothing). Not waited for, as `post`: the worker runs it after the
+        calls sent before it. A failure is logged, never raised: the worker that failed is gone, and what it
+        held with it."""
+        ticket = _Ticket(pickle.dumps((fn, args), protocol=pickle.HIGHEST_PROTOCOL), discard=True)
+        try:
+            with self._lock:
+                process = self._current(start=False)
+                if process is not None:
+                    self._send_or_queue(ticket, process)
+        except OSError as err:
+            log.debug("The render worker could not run %s: %s", getattr(fn, "__name__", fn), err)
 
     def take(self, ticket: _Ticket, timeout: float | None = None, stall: float | None = None) -> Any:
         """The result of the call `post` sent, once the worker has run it; raises as `call` does. `timeout` and
@@ -156,120 +180,56 @@ class Worker:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._reading:
             while ticket.reply is None and ticket.error is None:
-                if ticket.process is None:  # (its worker died with an earlier call: sent to a new one)
-                    self._send(ticket, timeout, stall, start=True)
-                    continue
-                self._read_next(ticket.process, deadline, timeout, stall)
+                if ticket.process is None:  # (not sent yet: sent now, after the ones before it)
+                    self._send_queued(ticket, deadline, timeout, stall)
+                else:
+                    self._read_next(ticket.process, deadline, timeout, stall)
         if ticket.error is not None:
             raise ticket.error
-        return _result(ticket.reply)
+        reply, ticket.reply = ticket.reply, None  # (the result is the caller's to keep, not the reply)
+        return _result(reply)
 
-    def tell(self, fn: Callable[..., Any], *args: Any, timeout: float = _EXIT_SECONDS) -> None:
-        """`fn(*args)` in the worker if one runs, for what it holds (a fit's end: what it kept for that fit); none
-        is started for it (a new one holds nothing). Not waited for: the worker runs it after the calls sent
-        before it. A failure is logged, never raised: the worker that failed is gone, and what it held with it."""
-        try:
-            self._send(_Ticket(pickle.dumps((fn, args), protocol=pickle.HIGHEST_PROTOCOL), discard=True), timeout,
-                       None, start=False)
-        except OSError as err:
-            log.debug("The render worker could not run %s: %s", getattr(fn, "__name__", fn), err)
+    # --- `_lock` held ---------------------------------------------------------------------------------------
 
-    def _send(self, ticket: _Ticket, timeout: float | None, stall: float | None, start: bool) -> None:
-        """Send `ticket`'s request to the running worker (one started if `start`; else none is sent to a worker
-        that is not running or has not answered yet: it holds nothing). A worker whose replies wait to be read
-        is never replaced here: one that died goes with the reader's next read (`_read_next`)."""
-        with self._lock:
-            process = self._process
-            if self._replaceable():
-                if start:
-                    process = self._started()
-                elif process is None or process.poll() is not None or not self._answered:
-                    return
-            ticket.process, ticket.delivered = process, False
-            self._outstanding.append(ticket)
-            deadline = None if timeout is None else time.monotonic() + timeout
-            try:
-                _send_within(process.stdin.fileno(), ticket.request, _Progress(process, stall) if stall is not None
-                             else process, deadline)
-                ticket.delivered = True
-            except BaseException as err:  # (gone, hung, or the request cut short: the conversation is broken)
-                with contextlib.suppress(OSError):
-                    process.kill()  # (its reader finds it ended: the calls sent before this one are its to judge)
-                if isinstance(err, TimeoutError):  # (and _Stalled) it took no request for that long: it hangs
-                    self._outstanding.remove(ticket)
-                    ticket.error = self._judged(err, timeout, stall)
-                    self._killed = (process, ticket.error)
-                elif not isinstance(err, OSError):  # (OSError: it was gone, and this call goes to a new one)
-                    raise
-
-    def _replaceable(self) -> bool:
-        """Whether no call sent to the running worker waits for its reply, so that one that ended may be replaced
-        (`_lock` held). Tells sent to one that ended are dropped: what they would have cleared went with it."""
+    def _current(self, start: bool, preload: tuple[str, ...] = ()) -> subprocess.Popen | None:
+        """The worker to send to: the running one, or where none waits for a reply from it and it has ended, a
+        new one (None where `start` is False: one that never answered holds nothing either). Tells sent to one
+        that ended are dropped: what they would have cleared went with it."""
         process = self._process
-        if (process is None or process.poll() is not None) and all(sent.discard for sent in self._outstanding):
+        ended = process is None or process.poll() is not None
+        if ended and all(sent.discard for sent in self._outstanding):
             self._outstanding.clear()
-        return not self._outstanding
+        if self._outstanding:
+            return process
+        if start:
+            return self._started(preload)
+        return None if ended or not self._answered else process
 
-    def _read_next(self, process: subprocess.Popen, deadline: float | None, timeout: float | None,
-                   stall: float | None) -> None:
-        """Read the next reply of `process`, into the first unread call. A worker that ended, hung or took too long
-        is killed: the first unread call fails (the one it ran), the later ones are sent again to a new one."""
-        peer = _Progress(process, stall) if stall is not None else process
-        error: BaseException | None = None
-        reply = None
+    def _send_or_queue(self, ticket: _Ticket, process: subprocess.Popen) -> None:
+        """Send `ticket`'s request into `process`'s pipe where nothing waits to be sent before it and it fits
+        there at once; else queue it for the next `take`."""
+        if self._unsent or self._writing or not self._fits(process, len(ticket.request)):
+            self._unsent.append(ticket)
+            return
+        self._outstanding.append(ticket)
+        ticket.process = process
+        try:  # (it fits: the pipe takes it in one write; the deadline is for a pipe that shrank)
+            _send_within(process.stdin.fileno(), ticket.request, process, time.monotonic() + _EXIT_SECONDS)
+            ticket.delivered = True
+        except (OSError, TimeoutError):  # (it is gone, or cut the request short: its reader finds it ended)
+            with contextlib.suppress(OSError):
+                process.kill()
+
+    def _fits(self, process: subprocess.Popen, size: int) -> bool:
+        """Whether a request of `size` bytes fits in `process`'s request pipe at once, with what waits there
+        (Linux: its size and its unread bytes are known; elsewhere never: the taker sends it)."""
+        if self._capacity is None or fcntl is None:
+            return False
         try:
-            reply = _receive_whole(process.stdout, peer, deadline)
-        except TimeoutError as err:  # (and _Stalled)
-            error = self._judged(err, timeout, stall)
-        except OSError:  # the worker's end of the pipe is gone: it died
-            pass
-        except BaseException as err:  # the conversation is broken: a new worker for the next call
-            error = err
-        with self._lock:
-            sent = [ticket for ticket in self._outstanding if ticket.process is process]  # (none once stopped)
-            # the first it took whole: the one this reply answers, or the one it ran when it ended
-            ran = next((ticket for ticket in sent if ticket.delivered), None)
-            if reply is not None:
-                self._answered = self._answered or self._process is process
-                if ran is not None:
-                    self._outstanding.remove(ran)
-                    if ran.discard:
-                        with contextlib.suppress(WorkerFailed):
-                            _result(reply)  # (its log records)
-                    else:
-                        ran.reply = reply
-                return
-            for ticket in sent:
-                self._outstanding.remove(ticket)
-            if self._process is process:
-                self._process = None
-            _end(process)
-            killed, self._killed = self._killed, None
-            if error is None and killed is not None and killed[0] is process:
-                error = killed[1]  # (killed by a sender, which judged it hung)
-            if error is None:
-                reason = _ended(process)
-                if not self._answered:
-                    self._broken = f"{reason} before answering once"
-                error = WorkerFailed(reason)
-            if self._broken is not None:
-                error = OSError(errno.ECHILD, self._broken)
-            for ticket in sent:
-                if ticket is ran or ticket.discard:  # (and tells to a worker gone: what they clear went with it)
-                    ticket.error = error
-                else:
-                    ticket.process = None  # (`take` sends it to a new worker)
-        if not isinstance(error, (WorkerFailed, OSError)):
-            raise error
-
-    def _judged(self, err: TimeoutError, timeout: float | None, stall: float | None) -> WorkerFailed:
-        """Why a worker judged hung (`_Stalled`) or slow (a timeout) was killed."""
-        if isinstance(err, _Stalled):
-            if not self._answered:  # (hung while starting, its imports stuck: so would the next one be)
-                self._broken = f"it used no CPU for {stall:g} s before answering once (hung while starting)"
-            return WorkerFailed(f"the render worker used no CPU for {stall:g} s (hung: stopped, or stuck on its "
-                                "disk) and was killed; a new one renders the next steps")
-        return WorkerFailed(f"the render worker took more than {timeout:g} s and was stopped")
+            unread = struct.unpack("i", fcntl.ioctl(process.stdin.fileno(), termios.FIONREAD, b"\0\0\0\0"))[0]
+        except (OSError, ValueError):
+            return False
+        return _LENGTH.size + size + unread + _PIPE_MARGIN <= self._capacity
 
     def _started(self, preload: tuple[str, ...] = ()) -> subprocess.Popen:
         if self._broken is not None:
@@ -302,23 +262,148 @@ class Worker:
             finally:
                 theirs.close()
             process.stdout = ours
-            # requests are sent while it renders the one before (`post`): a pipe of 1 MiB (Linux's most for
-            # a process without privileges) takes a walked step's identities whole, so that the sender does not
-            # wait for the worker to finish; where it cannot be had, the sender waits
+            # requests are sent while it renders the one before (`post`), where they fit in its pipe at once:
+            # one of 1 MiB (Linux's most for a process without privileges) takes a walked 20k-op step's
+            # identities (about 0.6 MB); where its size cannot be known, the taker sends each request
+            self._capacity = None
             with contextlib.suppress(AttributeError, OSError):
                 fcntl.fcntl(process.stdin.fileno(), fcntl.F_SETPIPE_SZ, _REQUEST_PIPE_BYTES)
+            with contextlib.suppress(AttributeError, OSError):
+                self._capacity = fcntl.fcntl(process.stdin.fileno(), fcntl.F_GETPIPE_SZ)
             self._process = process
             self._answered = False
         return process
 
+    # --- a taker's (`_reading` held) ------------------------------------------------------------------------
+
+    def _send_queued(self, until: _Ticket, deadline: float | None, timeout: float | None,
+                     stall: float | None) -> None:
+        """Send the queued requests in order, up to `until`'s, each written as the pipe takes it (the worker
+        reads a request once it has finished the ones before). A worker that takes none for `stall` seconds of
+        no CPU, or until `deadline`, is killed: the call whose request it did not take fails (it never ran it),
+        and the worker's reader blames the call it ran; a call whose deadline passed before it could be sent
+        fails, and no worker is killed for it."""
+        while until.process is None and until.error is None:
+            with self._lock:
+                if until not in self._unsent:  # (stopped meanwhile: `stop` failed it)
+                    return
+                if deadline is not None and time.monotonic() >= deadline:
+                    self._unsent.remove(until)
+                    until.error = WorkerFailed(f"the render worker took more than {timeout:g} s")
+                    return
+                try:
+                    process = self._current(start=True)
+                except OSError:  # (no worker can run here: every call is the caller's to do)
+                    self._unsent = collections.deque(sent for sent in self._unsent
+                                                     if sent is not until and not sent.discard)
+                    raise
+                head = self._unsent.popleft()
+                self._outstanding.append(head)
+                head.process, head.delivered = process, False
+                self._writing = True
+            try:
+                _send_within(process.stdin.fileno(), head.request,
+                             _Progress(process, stall) if stall is not None else process, deadline)
+                head.delivered = True
+            except TimeoutError as err:  # (and _Stalled) it takes no request: it hangs, or is that slow
+                with contextlib.suppress(OSError):
+                    process.kill()
+                with self._lock:
+                    error = self._judged(err, process, timeout, stall)
+                    self._outstanding.remove(head)
+                    head.process, head.error = None, error
+                    self._killed = (process, error)
+            except OSError:  # (it is gone: the request stays, not delivered, and goes to the next worker)
+                with contextlib.suppress(OSError):
+                    process.kill()
+            finally:
+                with self._lock:
+                    self._writing = False
+
+    def _read_next(self, process: subprocess.Popen, deadline: float | None, timeout: float | None,
+                   stall: float | None) -> None:
+        """Read `process`'s next reply, into the first call it took whole. A worker that ended, hung or took too
+        long is killed: the call it ran fails (`Worker`), the later ones go back to the front of the queue."""
+        progress = [0]  # (bytes of this reply read: a reply cut short answers a call the worker had finished)
+        error: BaseException | None = None
+        reply = None
+        try:
+            reply = _receive_whole(process.stdout, _Progress(process, stall) if stall is not None else process,
+                                   deadline, progress)
+        except TimeoutError as err:  # (and _Stalled)
+            with self._lock:
+                error = self._judged(err, process, timeout, stall)
+        except OSError:  # the worker's end is gone: it died
+            pass
+        except BaseException as err:  # the conversation is broken: a new worker for the next call
+            error = err
+        with self._lock:
+            sent = [ticket for ticket in self._outstanding if ticket.process is process]  # (none once stopped)
+            took = [ticket for ticket in sent if ticket.delivered]
+            if reply is not None:
+                if self._process is process:
+                    self._answered = True
+                if took:
+                    done = took[0]
+                    self._outstanding.remove(done)
+                    done.request = None
+                    if done.discard:
+                        with contextlib.suppress(WorkerFailed):
+                            _result(reply)  # (its log records)
+                    else:
+                        done.reply = reply
+                return
+            owned = self._process is process  # (else `stop` has it, and ends it)
+            if owned:
+                self._process = None
+            answered = self._answered or not owned
+            ran = took[1 if progress[0] else 0] if len(took) > (1 if progress[0] else 0) else None
+            for ticket in sent:
+                self._outstanding.remove(ticket)
+            again = [ticket for ticket in sent if ticket is not ran and not ticket.discard]
+            for ticket in again:
+                ticket.process, ticket.delivered = None, False
+            self._unsent.extendleft(reversed(again))
+            killed, self._killed = self._killed, None
+        if owned:
+            _end(process)  # (killed if alive, reaped, its pipes closed: no other thread uses them now)
+        if error is None and killed is not None and killed[0] is process:
+            error = killed[1]  # (killed by a taker whose request it did not take)
+        if error is None:
+            reason = _ended(process)
+            error = WorkerFailed(reason)
+            if not answered:
+                with self._lock:
+                    self._broken = f"{reason} before answering once"
+        if self._broken is not None and owned and not answered:
+            error = OSError(errno.ECHILD, self._broken)
+        for ticket in sent:
+            if ticket is ran or ticket.discard:  # (and tells to a worker gone: what they clear went with it)
+                ticket.error = error
+        if not isinstance(error, (WorkerFailed, OSError)):
+            raise error
+
+    def _judged(self, err: TimeoutError, process: subprocess.Popen, timeout: float | None,
+                stall: float | None) -> WorkerFailed | OSError:
+        """Why a worker judged hung (`_Stalled`) or slow (a timeout) was killed (`_lock` held): one hung before
+        it ever answered is hung in its imports, and so would the next one be: none is started again."""
+        if isinstance(err, _Stalled):
+            if self._process is process and not self._answered:
+                self._broken = f"it used no CPU for {stall:g} s before answering once (hung while starting)"
+                return OSError(errno.ECHILD, self._broken)
+            return WorkerFailed(f"the render worker used no CPU for {stall:g} s (hung: stopped, or stuck on its "
+                                "disk) and was killed; a new one renders the next steps")
+        return WorkerFailed(f"the render worker took more than {timeout:g} s and was stopped")
+
     def stop(self) -> None:
-        """End the worker (at the training process's exit, and a fit's end): it is told to quit, finishes what it
-        was sent and exits. Calls whose results were not taken yet fail."""
+        """End the worker (at the training process's exit, and when the last fit open ends): it is told to quit,
+        finishes what it was sent and exits. Calls whose results were not taken yet, sent or not, fail."""
         with self._lock:
             process, self._process = self._process, None
-            for ticket in self._outstanding:
+            for ticket in (*self._outstanding, *self._unsent):
                 ticket.error = WorkerFailed("the render worker was stopped")
             self._outstanding.clear()
+            self._unsent.clear()
         if process is None:
             return
         try:
@@ -347,9 +432,9 @@ class Worker:
     def _forget(self) -> None:
         """In a forked child (a DataLoader worker): the worker is the parent's; this process starts its own
         if it ever needs one."""
-        self._process = None
+        self._process, self._killed, self._writing = None, None, False
         self._lock, self._reading = threading.Lock(), threading.Lock()
-        self._outstanding = collections.deque()
+        self._outstanding, self._unsent = collections.deque(), collections.deque()
 
 
 def _result(reply: bytes | bytearray) -> Any:
@@ -431,25 +516,28 @@ def _receive(fd: int, peer: subprocess.Popen | _Progress | int, deadline: float 
     return bytes(memoryview(buffer)[_LENGTH.size:want])
 
 
-def _receive_whole(replies: socket.socket, peer: subprocess.Popen | _Progress,
-                   deadline: float | None = None) -> bytearray | None:
+def _receive_whole(replies: socket.socket, peer: subprocess.Popen | _Progress, deadline: float | None = None,
+                   progress: list[int] | None = None) -> bytearray | None:
     """One length-prefixed reply from the worker, as `_receive` reads one (None when the worker ended before
     sending it whole), but each part read in one call that returns when it is all there (`MSG_WAITALL`), which
     waits without the GIL. A pipe's read returns at most what the pipe holds (64 KiB): each read of a reply of
     megabytes then needed the GIL back, and while the training thread held it through torch's profiler stop
-    the worker waited to hand its reply over (15-146 ms a step at 20k events, longer than the render)."""
+    the worker waited to hand its reply over (15-146 ms a step at 20k events, longer than the render).
+    `progress[0]` counts the bytes read (a reply cut short was one the worker had begun to send)."""
+    progress = [0] if progress is None else progress
     header = bytearray(_LENGTH.size)
-    if not _fill(replies, memoryview(header), peer, deadline):
+    if not _fill(replies, memoryview(header), peer, deadline, progress):
         return None
     body = bytearray(_LENGTH.unpack(header)[0])
-    return body if _fill(replies, memoryview(body), peer, deadline) else None
+    return body if _fill(replies, memoryview(body), peer, deadline, progress) else None
 
 
-def _fill(replies: socket.socket, view: memoryview, peer: subprocess.Popen | _Progress,
-          deadline: float | None) -> bool:
-    """Fill `view` from `replies`; False when the worker ended first. The socket's own receive timeout
-    (`SO_RCVTIMEO`, _POLL_SECONDS at most) ends a call now and then, so that the worker's life and progress
-    (`_gone`), and `deadline` (TimeoutError), are checked as `_receive` checks them."""
+def _fill(replies: socket.socket, view: memoryview, peer: subprocess.Popen | _Progress, deadline: float | None,
+          progress: list[int]) -> bool:
+    """Fill `view` from `replies`, counting the bytes read in `progress[0]`; False when the worker ended first.
+    The socket's own receive timeout (`SO_RCVTIMEO`, _POLL_SECONDS at most) ends a call now and then, so that
+    the worker's life and progress (`_gone`), and `deadline` (TimeoutError), are checked as `_receive` checks
+    them. What an ended worker sent before it ended is read (a reply it sent whole is its answer)."""
     got = 0
     while got < len(view):
         wait = _POLL_SECONDS if deadline is None else min(_POLL_SECONDS, deadline - time.monotonic())
@@ -465,8 +553,17 @@ def _fill(replies: socket.socket, view: memoryview, peer: subprocess.Popen | _Pr
         if count == 0:  # (the worker closed its end: it ended)
             return False
         got += count or 0
+        progress[0] += count or 0
         if got < len(view) and _gone(peer):
-            return False
+            while got < len(view):  # (what it sent before it ended, without waiting: it sends no more)
+                try:
+                    count = replies.recv_into(view[got:], 0, socket.MSG_DONTWAIT)
+                except (BlockingIOError, InterruptedError):
+                    return False
+                if count == 0:
+                    return False
+                got += count
+                progress[0] += count
     return True
 
 

@@ -567,14 +567,13 @@ class CapturePipeline:
         return len(renders) < RENDERS_IN_FLIGHT
 
     def post(self, job: Job, exported: Any) -> Any:
-        """On the background thread: send the exported step to the render worker now, so that it starts on it as
-        soon as it has rendered the steps before it, without waiting for `RENDERS` to read their replies (which
-        waits for the GIL: see `hookprof._runtime.worker`). None where it could not be sent: `render_elsewhere`
-        tries again and says why."""
+        """On the background thread: send the exported step to the render worker now (where its request fits in
+        the worker's pipe at once; else `RENDERS` sends it), so that it starts on it as soon as it has rendered
+        the steps before it, without waiting for `RENDERS` to read their replies (which waits for the GIL: see
+        `hookprof._runtime.worker`). Never waits. None where it could not be sent: `render_elsewhere` tries
+        again and says why."""
         try:
-            return worker.WORKER.post(render_step, exported, self.writer, job.spec,
-                                      timeout=self.options.render_timeout_seconds,
-                                      stall=self.options.render_stall_seconds)
+            return worker.WORKER.post(render_step, exported, self.writer, job.spec)
         except Exception:
             return None
 
@@ -588,6 +587,7 @@ class CapturePipeline:
                                               timeout=options.render_timeout_seconds,
                                               stall=options.render_stall_seconds)
             else:
+                job.ticket = None  # (its reply goes with the take: the job waits for the disk, and holds no copy)
                 rendered = worker.WORKER.take(ticket, timeout=options.render_timeout_seconds,
                                               stall=options.render_stall_seconds)
             # (the worker's copy of the step could not tell the tracer its identities did not fit: told here)
