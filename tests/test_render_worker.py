@@ -23,7 +23,7 @@ import torch
 
 from hookprof._runtime import worker
 from hookprof.hooks import CaptureOptions, profiler_hook
-from hookprof.hooks.capture import CapturePipeline
+from hookprof.hooks.capture import CapturePipeline, render_step
 from hookprof.trace import format as fmt
 from hookprof.tracing.kineto_trace import KinetoExport, flops
 from lightning_prof import HookCallback, ProfilerHook
@@ -109,8 +109,8 @@ def test_the_export_gives_torchs_own_times_shapes_and_types_to_the_nanosecond(tm
 
 
 class KillingPipeline(CapturePipeline):
-    """Sends SIGKILL to the render worker 50 ms after step `kill_at` went to it, idle (the steps before rendered
-    and read): it renders that step then (each takes a few hundred ms)."""
+    """Sends SIGKILL to the render worker 0.2 s after step `kill_at` went to it, idle (the steps before rendered
+    and read), rendered after 5 s of sleep there: the worker surely runs that step when it is killed."""
 
     kill_at = None
 
@@ -119,8 +119,8 @@ class KillingPipeline(CapturePipeline):
             return super().post(job, exported)
         for render in list(self._renders):
             render.wait()
-        ticket = super().post(job, exported)
-        threading.Timer(0.05, os.kill, (worker.WORKER._process.pid, signal.SIGKILL)).start()
+        ticket = worker.WORKER.post(worker_probe.slowly, 5.0, render_step, exported, self.writer, job.spec)
+        threading.Timer(0.2, os.kill, (worker.WORKER._process.pid, signal.SIGKILL)).start()
         return ticket
 
 

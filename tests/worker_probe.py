@@ -61,3 +61,11 @@ def timed_bytes(seconds: float, size: int) -> tuple[float, float, bytes]:
     start = time.monotonic()
     time.sleep(seconds)
     return start, time.monotonic(), b"x" * size
+
+
+def slowly(seconds: float, fn, *args):
+    """`fn(*args)` after `seconds` of sleep: a call that is surely running when the worker is killed."""
+    import time
+
+    time.sleep(seconds)
+    return fn(*args)
