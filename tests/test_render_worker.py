@@ -310,6 +310,37 @@ def test_sending_a_call_never_waits_for_a_busy_worker():
         own.stop()
 
 
+def test_where_the_pipes_size_is_unknown_the_takers_send_every_call_in_order():
+    """macOS has no F_GETPIPE_SZ: no request is known to fit in the pipe at once, so `post` sends none and the
+    thread that takes a result sends every call before it, in the order posted, whichever result it takes."""
+    own = worker.Worker()
+    try:
+        own.call(worker_probe.pid)
+        own._capacity = None  # (as there)
+        posted = [own.post(worker_probe.note, name) for name in ("first", "second", "third")]
+        assert all(ticket.process is None for ticket in posted)  # (none sent by `post`)
+        assert [own.take(ticket) for ticket in reversed(posted)] == [None, None, None]
+        assert own.call(worker_probe.notes) == ["first", "second", "third"]
+    finally:
+        own.stop()
+
+
+def test_a_fit_where_the_pipes_size_is_unknown_renders_every_traced_step(tmp_path, monkeypatch):
+    """The same in a fit (no `fcntl`, as on a platform without it): the renders' thread sends each step."""
+    own = worker.Worker()
+    monkeypatch.setattr(worker, "WORKER", own)
+    monkeypatch.setattr(worker, "fcntl", None)
+    out = tmp_path / "prof"
+    hook = profiler_hook.ProfilerHook(save_steps=1, output_dir=str(out))
+    try:
+        trainer(str(tmp_path), [HookCallback([hook])], max_steps=6).fit(TinyModel(), loader())
+    finally:
+        own.stop()
+    assert own._capacity is None
+    assert sorted(int(p.name.split("-")[1].split(".")[0]) for p in out.glob("timeline-*.json")) == [2, 3, 4, 5, 6]
+    assert hook.dropped_outputs == 0
+
+
 def test_a_worker_killed_while_its_last_reply_was_on_the_way_costs_the_call_it_ran_then():
     """The worker had finished one call, whose reply of megabytes waited to be read, and ran the next when it
     was killed: the reply cut short is not the call it ran. That one is sent again (the next worker answers
