@@ -139,7 +139,7 @@ SPAWN_SCRIPT = textwrap.dedent("""
 
 def run_in_own_tmpdir(tmp_path, template):
     """Run the script `template` in a process of its own whose TMPDIR is a fresh `tmp_path/tmp`: the result.json it
-    writes into `tmp_path`, and that TMPDIR."""
+    writes into `tmp_path` (with the end of what it logged, as `log`), and that TMPDIR."""
     script = tmp_path / "script.py"
     script.write_text(template.format(repo=REPO))
     scratch = tmp_path / "tmp"
@@ -147,7 +147,7 @@ def run_in_own_tmpdir(tmp_path, template):
     done = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=300,
                           cwd=str(tmp_path), env={**os.environ, "TMPDIR": str(scratch)})
     assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads((tmp_path / "result.json").read_text()), scratch
+    return {**json.loads((tmp_path / "result.json").read_text()), "log": done.stderr[-3000:]}, scratch
 
 
 def test_ddp_spawn_parent_callbacks_read_what_rank_0_wrote(tmp_path):
@@ -157,7 +157,7 @@ def test_ddp_spawn_parent_callbacks_read_what_rank_0_wrote(tmp_path):
     assert result["before"] == [] and result["parent_hook_ran"] == []  # the parent's own hooks never ran
     written = sorted(n for n in os.listdir(tmp_path / "prof") if n.startswith("timeline-"))
     assert written == ["timeline-2-rank0.json", "timeline-2-rank1.json", "timeline-4-rank0.json",
-                       "timeline-4-rank1.json"]
+                       "timeline-4-rank1.json"], result["log"]  # (what the ranks said, where one is missing)
     assert result["prof"] == result["again"] == [str(tmp_path / "prof" / f"timeline-{s}-rank0.json") for s in (2, 4)]
     assert result["ckpt"] == [str(tmp_path / "ckpt" / f"model.ckpt-{s}.ckpt") for s in (0, 2, 4)]
     assert all(os.path.exists(p) for p in result["prof"] + result["ckpt"])
