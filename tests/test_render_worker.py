@@ -563,6 +563,8 @@ def test_a_worker_that_dies_before_answering_makes_the_hook_render_in_process(tm
     assert broken._process is None  # one try, not one per traced step
     with pytest.raises(OSError, match="before answering once"):
         broken.call(len, "abc")
+    with pytest.raises(OSError, match="before answering once"):  # (said before a step is pickled for nothing)
+        broken.post(len, (x for x in "abc"))
 
 
 def test_a_step_the_worker_cannot_take_costs_its_timeline_only(tmp_path, monkeypatch, caplog):

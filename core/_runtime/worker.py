@@ -35,8 +35,8 @@ returns at once; `WORKER.take(ticket)`, on any thread, waits for its result. Det
   it is killed. A slow worker (a loaded machine) is never judged so, nor is one that has not answered yet (it
   starts: an interpreter and its imports). The calls sent after the one it ran go to a new one, in their
   order (a call it had finished, whose reply was cut short, is one of them). A worker that dies before ever
-  answering (it cannot import hookprof from here) makes every later call raise OSError at
-  once: the caller does the work itself.
+  answering (it cannot import hookprof from here) makes every later call raise OSError at once: the caller
+  does the work itself.
 - Linux and macOS only (`AVAILABLE`); elsewhere the caller does the work on its own thread.
 """
 
@@ -155,6 +155,8 @@ class Worker:
         """Send `fn(*args)` to the worker (started if need be), without waiting for anything: its request goes
         into the pipe now where it fits there at once, else with the next `take`. `take` gives its result.
         Raises OSError when no worker can run here, and what pickling the call raises."""
+        if self._broken is not None:  # (before pickling a step for nothing)
+            raise OSError(errno.ECHILD, self._broken)
         ticket = _Ticket(pickle.dumps((fn, args), protocol=pickle.HIGHEST_PROTOCOL))
         with self._lock:
             self._send_or_queue(ticket, self._current(start=True))
@@ -302,8 +304,7 @@ class Worker:
                 head.process, head.delivered = process, False
                 self._writing = True
             try:
-                _send_within(process.stdin.fileno(), head.request,
-                             _Progress(process, stall) if stall is not None else process, deadline)
+                _send_within(process.stdin.fileno(), head.request, _judging(process, stall), deadline)
                 head.delivered = True
             except TimeoutError as err:  # (and _Stalled) it takes no request: it hangs, or is that slow
                 with contextlib.suppress(OSError):
@@ -328,8 +329,7 @@ class Worker:
         error: BaseException | None = None
         reply = None
         try:
-            reply = _receive_whole(process.stdout, _Progress(process, stall) if stall is not None else process,
-                                   deadline, progress)
+            reply = _receive_whole(process.stdout, _judging(process, stall), deadline, progress)
         except TimeoutError as err:  # (and _Stalled)
             with self._lock:
                 error = self._judged(err, process, timeout, stall)
@@ -357,7 +357,8 @@ class Worker:
             if owned:
                 self._process = None
             answered = self._answered or not owned
-            ran = took[1 if progress[0] else 0] if len(took) > (1 if progress[0] else 0) else None
+            finished = 1 if progress[0] else 0  # (a reply cut short: it had finished that call, and ran the next)
+            ran = took[finished] if len(took) > finished else None
             for ticket in sent:
                 self._outstanding.remove(ticket)
             again = [ticket for ticket in sent if ticket is not ran and not ticket.discard]
@@ -491,20 +492,16 @@ def _send_within(fd: int, data: bytes, peer: subprocess.Popen | _Progress, deadl
             continue
 
 
-def _receive(fd: int, peer: subprocess.Popen | _Progress | int, deadline: float | None = None) -> bytes | None:
-    """One length-prefixed message from `fd`; None when the other side ended before sending it whole (it
-    died, or closed the pipe). `peer`: the worker's process (or its `_Progress`) here, the training process's pid
-    there. Raises TimeoutError once `deadline` (`time.monotonic()`) has passed."""
+def _receive(fd: int, parent: int) -> bytes | None:
+    """In the worker: one length-prefixed request from `fd` (the pipe from the training process, pid `parent`);
+    None when the training process ended before sending it whole (it died, or closed the pipe)."""
     poller = select.poll()  # (not select.select: a descriptor may be 1024 or more)
     poller.register(fd, select.POLLIN)
     buffer = bytearray()
     want = _LENGTH.size
     while len(buffer) < want:
-        wait = _POLL_SECONDS if deadline is None else min(_POLL_SECONDS, deadline - time.monotonic())
-        if wait <= 0:
-            raise TimeoutError
-        if not poller.poll(wait * 1000):
-            if _gone(peer):
+        if not poller.poll(_POLL_SECONDS * 1000):
+            if _gone(parent):
                 return None
             continue
         chunk = os.read(fd, min(want - len(buffer), 1 << 20))
@@ -516,15 +513,15 @@ def _receive(fd: int, peer: subprocess.Popen | _Progress | int, deadline: float 
     return bytes(memoryview(buffer)[_LENGTH.size:want])
 
 
-def _receive_whole(replies: socket.socket, peer: subprocess.Popen | _Progress, deadline: float | None = None,
-                   progress: list[int] | None = None) -> bytearray | None:
-    """One length-prefixed reply from the worker, as `_receive` reads one (None when the worker ended before
-    sending it whole), but each part read in one call that returns when it is all there (`MSG_WAITALL`), which
-    waits without the GIL. A pipe's read returns at most what the pipe holds (64 KiB): each read of a reply of
-    megabytes then needed the GIL back, and while the training thread held it through torch's profiler stop
-    the worker waited to hand its reply over (15-146 ms a step at 20k events, longer than the render).
-    `progress[0]` counts the bytes read (a reply cut short was one the worker had begun to send)."""
-    progress = [0] if progress is None else progress
+def _receive_whole(replies: socket.socket, peer: subprocess.Popen | _Progress, deadline: float | None,
+                   progress: list[int]) -> bytearray | None:
+    """One length-prefixed reply from the worker, as the worker's `_receive` reads a request (None when the
+    worker ended before sending it whole; TimeoutError once `deadline` has passed), but each part read in one
+    call that returns when it is all there (`MSG_WAITALL`), which waits without the GIL. A pipe's read returns
+    at most what the pipe holds (64 KiB): each read of a reply of megabytes then needed the GIL back, and while
+    the training thread held it through torch's profiler stop the worker waited to hand its reply over (15-146
+    ms a step at 20k events, longer than the render). `progress[0]` counts the bytes read (a reply cut short
+    was one the worker had begun to send)."""
     header = bytearray(_LENGTH.size)
     if not _fill(replies, memoryview(header), peer, deadline, progress):
         return None
@@ -536,8 +533,8 @@ def _fill(replies: socket.socket, view: memoryview, peer: subprocess.Popen | _Pr
           progress: list[int]) -> bool:
     """Fill `view` from `replies`, counting the bytes read in `progress[0]`; False when the worker ended first.
     The socket's own receive timeout (`SO_RCVTIMEO`, _POLL_SECONDS at most) ends a call now and then, so that
-    the worker's life and progress (`_gone`), and `deadline` (TimeoutError), are checked as `_receive` checks
-    them. What an ended worker sent before it ended is read (a reply it sent whole is its answer)."""
+    the worker's life and progress (`_gone`), and `deadline` (TimeoutError), are checked between calls. What an
+    ended worker sent before it ended is read (a reply it sent whole is its answer)."""
     got = 0
     while got < len(view):
         wait = _POLL_SECONDS if deadline is None else min(_POLL_SECONDS, deadline - time.monotonic())
@@ -598,6 +595,11 @@ class _Progress:
             self._ticks, self._since = ticks, now
             return False
         return now - self._since >= self.stall
+
+
+def _judging(process: subprocess.Popen, stall: float | None) -> subprocess.Popen | _Progress:
+    """What a wait for `process` watches: its life, and with `stall`, its CPU time (`_Progress`)."""
+    return process if stall is None else _Progress(process, stall)
 
 
 def _gone(peer: subprocess.Popen | _Progress | int) -> bool:
