@@ -35,11 +35,13 @@ other load keeps the worker off a core, wall time charges ours with the worker's
 
 MLPs of 40, 400 and 6400 `Linear(64, 64)` layers: about 2k, 20k and 300k events in a traced step (as
 torch's export counts them). Medians over rounds that each run every kind once, in an order rotated from
-round to round: 5 rounds of 12-step fits at 2k, 3 of 10-step fits at 20k, and at 300k one round of 2-step
+round to round: 5 rounds of 12-step fits at 2k, 5 of 10-step fits at 20k, and at 300k one round of 2-step
 fits (one traced step) and no every-10th fits. `HOOKPROF_BENCH_FAST=1`: the two smaller sizes, one round
-(under a minute), for a smoke run; `HOOKPROF_BENCH_LAYERS=400`: that size alone. The full run takes about 8
-minutes on 2 cores. The load average is printed with the table: on a shared machine, read the ratios, which
-compare fits of the same rounds.
+(under a minute), for a smoke run; `HOOKPROF_BENCH_LAYERS=400`: that size alone. The full run takes about 10
+minutes on 2 cores. The wall-time ratios come with the lowest and highest of the rounds' own (each round's
+fits against the untraced fit of that round): on a shared VM one round's ratio may stray far from the
+medians'. The load average is printed with the table: on a shared machine, read the ratios, which compare
+fits of the same rounds.
 Numbers on a shared machine drift between fits: read the ratios, which compare fits of the same rounds.
 torch runs one intra-op thread: on 2 cores shared with other processes, two threads made a 37 ms step take
 0.5 s at random (each op's threads wait at a barrier for a thread the other process holds off its core).
@@ -73,7 +75,7 @@ FAST = os.environ.get("HOOKPROF_BENCH_FAST") == "1"
 # the defaults as before issue 33: every traced step walks its own event tree (none borrows an earlier one's)
 WALKING = "defaults, every step walking its tree"
 # (layers, steps of an every-step fit, of an every-10th fit (0: none), rounds): about 2k, 20k and 300k events
-SIZES = ((40, 12, 49, 1), (400, 10, 49, 1)) if FAST else ((40, 12, 49, 5), (400, 10, 49, 3), (6400, 2, 0, 1))
+SIZES = ((40, 12, 49, 1), (400, 10, 49, 1)) if FAST else ((40, 12, 49, 5), (400, 10, 49, 5), (6400, 2, 0, 1))
 if os.environ.get("HOOKPROF_BENCH_LAYERS"):
     SIZES = tuple(size for size in SIZES if size[0] == int(os.environ["HOOKPROF_BENCH_LAYERS"]))
 LONG_STEPS = 40  # the every-step fits of `long_fits` (at about 20k events)
@@ -277,7 +279,9 @@ def main():
                 ours, ours_traced = per_traced_step(runs, ("ours", every, content))
                 theirs, theirs_traced = per_traced_step(runs, ("torch", every, memory))
                 skipped = f" ({ours_traced} of {theirs_traced} traced)" if ours_traced != theirs_traced else ""
-                cells.append(f"{_ms(ours)} / {_ms(theirs)} = {ours / theirs:.2f}x{skipped}")
+                low, high = round_ratios(runs, ("ours", every, content), ("torch", every, memory))
+                cells.append(f"{_ms(ours)} / {_ms(theirs)} = {ours / theirs:.2f}x (rounds {low:.2f}-{high:.2f}x)"
+                             f"{skipped}")
             if len(cells) == 1:
                 cells.append("-")
             for every in schedules:
@@ -298,7 +302,7 @@ def main():
             print(f"| {layers} layers ({events:,}) | {content} | {cells[0]} | {cells[1]} | {cells[2]} | {cells[3]} | "
                   f"{_ms(wait)} / {_ms(stop)} = {wait / stop:.2f}x | {_ms(start)} | {share} |", flush=True)
         if layers == 400:
-            long_fits(model, rounds)
+            long_fits(model, min(rounds, 3))
         # idle: fits that trace nothing, alternating with untraced ones and after a traced fit's leftovers (its
         # freed steps, a worker's exit) are gone, in the every-10th fits' length
         every, idle_runs = max(schedules), {"idle": [], "none": []}
@@ -327,7 +331,9 @@ def long_fits(model: MLP, rounds: int) -> None:
     for kind in kinds[2:]:
         ours, written = per_traced_step(runs, kind)
         skipped = f" ({written} of {traced} traced)" if written != traced else ""
-        cells.append(f"{kind[2]} {_ms(ours)} / {_ms(theirs)} = {ours / theirs:.2f}x{skipped}")
+        low, high = round_ratios(runs, kind, kinds[1])
+        cells.append(f"{kind[2]} {_ms(ours)} / {_ms(theirs)} = {ours / theirs:.2f}x (rounds {low:.2f}-{high:.2f}x)"
+                     f"{skipped}")
     print(f"(every step in {LONG_STEPS}-step fits, {rounds} rounds: {'; '.join(cells)})", flush=True)
 
 
@@ -338,6 +344,14 @@ def per_traced_step(runs: dict[tuple, list], kind: tuple, measure: int = 0) -> t
     callback = runs[kind][0][1]
     traced = callback.traces if kind[0] == "torch" else callback.written
     return (statistics.median(run[measure] for run in runs[kind]) - none) / max(1, traced), traced
+
+
+def round_ratios(runs: dict[tuple, list], ours: tuple, theirs: tuple) -> tuple[float, float]:
+    """The lowest and highest of the rounds' own ratios of `ours`' extra wall time to `theirs`' (each over the
+    untraced fit of the same round): how far one round's figure strays from the medians' on this machine."""
+    ratios = [(mine[0] - none[0]) / max(1e-9, peer[0] - none[0])
+              for mine, peer, none in zip(runs[ours], runs[theirs], runs[("none", ours[1])])]
+    return min(ratios), max(ratios)
 
 
 def _median(lists) -> float:
