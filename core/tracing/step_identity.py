@@ -16,6 +16,9 @@ next ones:
   arrows for that step and the reason in its metadata (`DATAFLOW_MISSING`). The allocations, their frees
   and the ops that made them come from the step itself; only which allocation each op read comes from the
   template;
+- a walked step that ran one run of ops the later steps do not (a DDP fit's second step rebuilds its gradient
+  buckets) lends them the template without those ops (`without_extra_ops`), which the fit keeps once a step
+  joins it;
 - a borrowing step whose nodes, allocations and frees come in the same order as the fit's last borrowing
   step's (`_layout`: on CPU, every step of a training loop but a few) has that step's arrows, outputs and
   allocations, place by place, with its own nodes and times (`BorrowedStep`): its allocations are not joined
@@ -142,6 +145,11 @@ class IdentityTemplate:
     written: list[frozenset[int]]
     made: dict[int, list[tuple[int, str]]]  # op position -> (bytes, device) of each allocation it made, in time order
     interned: Interned = dataclasses.field(default_factory=Interned)  # its step's argument lists
+    # ("made", op position, rank) -> the position of the allocation plumbing op it was made in, inside that op
+    # (`hookprof.tracing.torch_dataflow.allocating_op`), where it was (`without_extra_ops` reads it)
+    via: dict[tuple, int] = dataclasses.field(default_factory=dict)
+    # the ("made", op position, rank) of the allocations still held at the step's end (its data lasts into the next)
+    lasting: frozenset[tuple] = frozenset()
     # what the fit's last borrowing step (or its walked step: `leave_walked`) found, for its next one of the same
     # layout
     last: BorrowedStep | None = dataclasses.field(default=None, compare=False, repr=False)
@@ -157,6 +165,76 @@ class IdentityTemplate:
     def fixed(self) -> list[bool]:
         """Per op: whether it reads no data the step made (its reads are the same in every matching step)."""
         return [all(key[0] != "made" for _, key, _ in reads) for reads in self.reads]
+
+
+def without_extra_ops(template: IdentityTemplate, step: StepRows) -> IdentityTemplate | None:
+    """The template as it would be of its step without one run of its ops that `step` lacks, where that is what
+    sets them apart: `step`'s ops (its own threads', `_step_rows`) are the template's first and last ones, and
+    the template has a contiguous run of others between them (the fit's first steps often do: DDP rebuilds its
+    gradient buckets in its second, with broadcasts and copies). None elsewhere: where ops alike around that
+    run could put it a place earlier or later (which op is which could not be told), and where an op that both
+    have reads data that one of the others made (the step lacks it: what that op read there cannot be known).
+    The ops that both have read what they read in the template's step, and make what they made there, each
+    at its new place. A step given identities so is still checked against its own allocations
+    (`apply_template`)."""
+    signatures = template.signatures
+    main = [row[SIGNATURE] for row in _step_rows(step.rows())]
+    extra = len(signatures) - len(main)
+    if extra <= 0 or not main:
+        return None
+    count = len(main)
+    first = 0  # (how many ops both start with)
+    while first < count and main[first] == signatures[first]:
+        first += 1
+    last = 0  # (how many both end with)
+    while last < count and main[-1 - last] == signatures[-1 - last]:
+        last += 1
+    # the others run from the end of the common start to the common end, at one place only: where ops alike
+    # around them could put them a place earlier or later, which op is which could not be told
+    if first + last != count:
+        return None
+    end = first + extra
+
+    def place(at: int) -> int:
+        return at - extra if at >= end else at
+
+    # what the others made goes: the allocations they own, and those made in their allocation plumbing that an
+    # op around them owns (DDP's bucket rebuild allocates in `aten::empty` ops right inside its forward)
+    kept: dict[tuple, tuple] = {}  # ("made", at, rank) of an allocation that stays -> its key after
+    made: dict[int, list[tuple[int, str]]] = {}
+    via: dict[tuple, int] = {}
+    for at, allocations in template.made.items():
+        if first <= at < end:
+            continue
+        mine = made[place(at)] = []
+        for rank, allocation in enumerate(allocations):
+            key = ("made", at, rank)
+            inside = template.via.get(key)
+            if inside is not None and first <= inside < end:
+                continue
+            kept[key] = new = ("made", place(at), len(mine))
+            mine.append(allocation)
+            if inside is not None:
+                via[new] = place(inside)
+    reads = []
+    for at, op_reads in enumerate(template.reads):
+        if first <= at < end:
+            continue
+        mapped = []
+        for argument, key, tensor in op_reads:
+            if key[0] == "made":
+                if key in kept:
+                    key = kept[key]
+                elif key in template.lasting:  # (what the others made and left: in a step without them, data
+                    key = ("before", key)      # from before it, which they made in an earlier step)
+                else:  # (a temporary of theirs: what the op reads without them cannot be known)
+                    return None
+            mapped.append((argument, key, tensor))
+        reads.append(mapped)
+    written = template.written[:first] + template.written[end:]
+    lasting = frozenset(kept[key] for key in template.lasting if key in kept)
+    return IdentityTemplate(signatures[:first] + signatures[end:], reads, written, made, template.interned, via,
+                            lasting)
 
 
 def _step_rows(rows: list[Row]) -> list[Row]:
@@ -195,12 +273,18 @@ def build_template(tree: EventTree, rows: list[Row], interned: Interned | None =
     position = {row.external_id: i for i, row in enumerate(rows)}
     made: dict[int, list[tuple[int, str]]] = {}
     keys: dict[int, Hashable] = {}  # allocation id -> ("made", op position, rank)
+    via: dict[tuple, int] = {}
+    lasting = set()
     devices = _devices(tree.allocations)
     for allocation_id, block in tree.blocks.items():  # (in time order)
         at = -1 if block.op is None else position.get(block.op, -2)
         by_op = made.setdefault(at, [])
-        keys[allocation_id] = ("made", at, len(by_op))
+        key = keys[allocation_id] = ("made", at, len(by_op))
         by_op.append((block.nbytes, devices[allocation_id]))
+        if block.via is not None and block.via in position:
+            via[key] = position[block.via]
+        if block.free_ns is None:
+            lasting.add(key)
     reads: list[list] = [[] for _ in rows]
     written: list[frozenset[int]] = [frozenset()] * len(rows)
     for op_id, op_reads, op_written in tree.ops:
@@ -210,7 +294,8 @@ def build_template(tree: EventTree, rows: list[Row], interned: Interned | None =
         reads[at] = [(argument, keys.get(allocation_id, ("before", allocation_id)), tensor)
                      for argument, allocation_id, tensor in op_reads]
         written[at] = op_written
-    return IdentityTemplate([row[SIGNATURE] for row in rows], reads, written, made, interned or Interned())
+    return IdentityTemplate([row[SIGNATURE] for row in rows], reads, written, made, interned or Interned(), via,
+                            frozenset(lasting))
 
 
 def memory_events(instants: list[KinetoEvent], base: int) -> tuple[list[Allocation], list[int]]:

@@ -60,14 +60,16 @@ def device_name(device: Any) -> str:
 @dataclasses.dataclass(slots=True)
 class Block:
     """One allocation of the step: its bytes, when it was made and freed (None: it outlived the trace), the
-    op it was made in (its profiler id, the op node's `external_id`; None when no op encloses it) and the
-    ops around that one, innermost first."""
+    op it was made in (its profiler id, the op node's `external_id`; None when no op encloses it), the ops
+    around that one, innermost first, and, where it was made in allocation plumbing inside that op
+    (`aten::empty`: `allocating_op`), the plumbing op's id (`via`; a walk alone records it)."""
 
     nbytes: int
     start_ns: int
     op: int | None
     outer: tuple[int, ...] = ()
     free_ns: int | None = None
+    via: int | None = None
 
     def outlives(self, node: NodeExecStats) -> bool:
         """Whether the data is still there when `node` ends (not a temporary of it)."""
@@ -142,8 +144,10 @@ class EventTree:
                 while parent is not None:
                     outer.append(parent.correlation_id)
                     parent = parent.parent
+                via = event.parent
                 self.blocks[fields.allocation_id] = Block(fields.alloc_size, start,
-                                                          None if op is None else op.correlation_id, tuple(outer))
+                                                          None if op is None else op.correlation_id, tuple(outer),
+                                                          via=None if via is op else via.correlation_id)
             else:
                 block = self.blocks.get(fields.allocation_id)
                 if block is not None:
