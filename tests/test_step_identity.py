@@ -630,35 +630,88 @@ def identity_rows(names):
 
 
 def test_a_template_with_one_run_of_extra_ops_lends_what_its_other_ops_read_at_their_places():
-    """The walked step ran ops X, Y between B and C that the next steps lack (DDP's bucket rebuild): the template
-    without them gives C and D what they read, at their new places; what X and Y made goes, and so does what
-    they made in allocation plumbing that B owns; a read of what they made and left is, without them, data from
-    before the step."""
+    """The walked step ran X and `aten::empty` Y inside B, between B's start and C, which the next steps lack
+    (DDP's bucket rebuild): the template without them gives C and D what they read, at their new places; what X
+    made goes, and so does what Y (allocation plumbing) made that B owns, B's other allocation taking its rank;
+    a read of what they made and left is, without them, data from before the step; allocations outside any op
+    (-1) and in other threads' ops (-2) stay."""
     from hookprof.step_stats import TensorDescription
     from hookprof.tracing.step_identity import SIGNATURE, IdentityTemplate, without_extra_ops
 
     t = TensorDescription("float32", (4,), 16)
+    cpu = "/host:CPU"
+    ops = ["A", "B", "X", "aten::empty", "C", "D"]
     template = IdentityTemplate(
-        [row[SIGNATURE] for row in identity_rows("ABXYCD").rows()],
-        [[], [], [(0, ("made", 0, 0), t)], [], [(0, ("made", 1, 0), t)],
-         [(0, ("made", 4, 0), t), (1, ("made", 2, 0), t), (2, ("before", 7), t)]],
-        [frozenset(), frozenset(), frozenset(), frozenset({0}), frozenset({0}), frozenset()],
-        {0: [(16, "/host:CPU")], 1: [(16, "/host:CPU"), (32, "/host:CPU")], 2: [(16, "/host:CPU")],
-         4: [(16, "/host:CPU")]},
-        via={("made", 1, 1): 3, ("made", 4, 0): 4}, lasting=frozenset({("made", 2, 0), ("made", 4, 0)}))
-    lighter = without_extra_ops(template, identity_rows("ABCD"))
-    assert lighter.signatures == [row[SIGNATURE] for row in identity_rows("ABCD").rows()]
-    assert lighter.made == {0: [(16, "/host:CPU")], 1: [(16, "/host:CPU")], 2: [(16, "/host:CPU")]}
-    assert lighter.reads == [[], [], [(0, ("made", 1, 0), t)],
-                             [(0, ("made", 2, 0), t), (1, ("before", ("made", 2, 0)), t), (2, ("before", 7), t)]]
+        [row[SIGNATURE] for row in identity_rows(ops).rows()],
+        [[], [], [(0, ("made", 0, 0), t)], [],
+         [(0, ("made", 1, 1), t), (1, ("made", -1, 0), t)],  # B's own allocation; one made outside any op
+         [(0, ("made", 4, 0), t), (1, ("made", 2, 0), t), (2, ("made", 1, 0), t), (3, ("before", 7), t),
+          (4, ("made", -2, 0), t)]],  # C's; X's and Y's, left; data from before; an other thread's
+        [frozenset(), frozenset(), frozenset(), frozenset(), frozenset({0}), frozenset()],
+        {-2: [(16, cpu)], -1: [(16, cpu)], 0: [(16, cpu)], 1: [(32, cpu), (16, cpu)], 2: [(16, cpu)],
+         4: [(16, cpu)]},
+        via={("made", 1, 0): 3},  # (made in Y, which B's allocation plumbing is)
+        lasting=frozenset({("made", 2, 0), ("made", 1, 0), ("made", 4, 0)}))
+    lighter = without_extra_ops(template, identity_rows(["A", "B", "C", "D"]))
+    assert lighter.signatures == [row[SIGNATURE] for row in identity_rows(["A", "B", "C", "D"]).rows()]
+    assert lighter.made == {-2: [(16, cpu)], -1: [(16, cpu)], 0: [(16, cpu)], 1: [(16, cpu)], 2: [(16, cpu)]}
+    assert lighter.reads == [[], [], [(0, ("made", 1, 0), t), (1, ("made", -1, 0), t)],
+                             [(0, ("made", 2, 0), t), (1, ("before", ("made", 2, 0)), t),
+                              (2, ("before", ("made", 1, 0)), t), (3, ("before", 7), t), (4, ("made", -2, 0), t)]]
     assert lighter.written == [frozenset(), frozenset(), frozenset({0}), frozenset()]
-    assert lighter.via == {("made", 2, 0): 2} and lighter.lasting == {("made", 2, 0)}
+    assert lighter.lasting == {("made", 2, 0)}
+    assert lighter.derived and without_extra_ops(lighter, identity_rows(["A", "B", "C"])) is None  # (never again)
     # a read of a temporary of theirs (gone at the step's end): what the op reads without them is unknown
-    temporary = dataclasses.replace(template, lasting=frozenset())
-    assert without_extra_ops(temporary, identity_rows("ABCD")) is None
-    # and of what they made in B's plumbing, the same
-    plumbing = dataclasses.replace(template, reads=[*template.reads[:5], [(0, ("made", 1, 1), t)]])
-    assert without_extra_ops(plumbing, identity_rows("ABCD")) is None
+    for temporary in (("made", 2, 0), ("made", 1, 0)):  # (X's own; Y's, which B owns)
+        left = dataclasses.replace(template, lasting=template.lasting - {temporary})
+        assert without_extra_ops(left, identity_rows(["A", "B", "C", "D"])) is None, temporary
+
+
+class SkipsARun(TinyModel):
+    """TinyModel that refreshes a buffer with a run of ops of its own at the start of every step but step `skip`
+    (as a `GradScaler` skips its optimizer step now and then)."""
+
+    def __init__(self, skip):
+        super().__init__()
+        self.skip = skip
+        self.register_buffer("scale", torch.ones(16))
+
+    def training_step(self, batch, batch_idx):
+        if self.trainer.global_step + 1 != self.skip:
+            with torch.no_grad():
+                self.scale.copy_(self.scale.abs().sqrt())
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_step_without_a_run_of_its_walked_steps_ops_borrows_the_rest_as_its_own_walk_finds_them(tmp_dir):
+    """Every step walks its tree and is converted again borrowing the step before's identities: step 4, which
+    skips the run of ops the others start with, borrows from step 3's template without that run the arrows,
+    memory objects and outputs its own walk finds; step 5, which runs them again, has more ops than step 4's."""
+    paths = BothPaths()
+    L.Trainer(max_steps=5, callbacks=[paths], logger=False, enable_checkpointing=False, default_root_dir=tmp_dir,
+              enable_progress_bar=False, enable_model_summary=False, accelerator="cpu").fit(SkipsARun(4), loader())
+    steps = {step: (walked, borrowed) for step, walked, borrowed in paths.steps}
+    walked, borrowed = steps[4]
+    assert DATAFLOW_MISSING not in borrowed.metadata and len(walked.edges) > 40
+    assert edges(borrowed) == edges(walked) and memory(borrowed) == memory(walked)
+    assert outputs(borrowed) == outputs(walked)
+    assert "ops differ" in steps[5][1].metadata[DATAFLOW_MISSING]
+
+
+def test_a_fit_whose_one_step_skips_a_run_of_ops_keeps_borrowing_its_walked_steps_identities(tmp_dir):
+    """Traced every step with the defaults: the step that skips the run borrows the walked step's identities
+    without it, and the steps after it, which run it again, borrow the walked step's own: each has its arrows,
+    the same as the steps before the skip, and the fit walks once."""
+    hook, probe = ProfilerHook(save_steps=1, output_dir=tmp_dir), FitIdentities()
+    trainer(tmp_dir, [hook, probe], 7).fit(SkipsARun(4), loader())
+    flows = {int(path.rsplit("-", 1)[1].split(".")[0]): sorted(
+        (e["name"], e["args"]["consumer"]) for e in load_trace(path)["traceEvents"] if e["ph"] == "s")
+        for path in hook.saved_paths}
+    assert {2, 3, 4, 5, 6} <= set(flows)  # (one may wait for the disk: skipped)
+    assert probe.identities.walks == 1
+    assert all(len(found) > 40 for found in flows.values()), {step: len(found) for step, found in flows.items()}
+    assert all(flows[step] == flows[2] for step in flows if step != 4)
+    assert len(flows[4]) < len(flows[2])  # (the run's own arrows: the buffer's refresh)
 
 
 @pytest.mark.parametrize("template_ops, step_ops", [

@@ -42,15 +42,6 @@ class ByFit(Generic[T]):
         with self._lock:
             return self._by_fit.get(token)
 
-    def replace(self, token: str, old: T, new: T) -> bool:
-        """Keep `new` for fit `token` where `old` is still its value (another thread may have kept a newer one
-        meanwhile: that one stays); whether it was."""
-        with self._lock:
-            if self._by_fit.get(token) is not old:
-                return False
-            self._by_fit[token] = new
-            return True
-
     def setdefault(self, token: str, make: Callable[[], T]) -> T:
         """Fit `token`'s value, made (`make()`) if it has none yet; for a fit that has ended (a step of a failed
         fit rendered after its end), a new value kept nowhere."""

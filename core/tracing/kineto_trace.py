@@ -42,9 +42,9 @@ from hookprof.tracing.step_identity import (
     StepRows,
     add_tree_records,
     borrow,
+    borrow_lighter,
     build_template,
     leave_walked,
-    without_extra_ops,
 )
 from hookprof.tracing.torch_dataflow import EventTree
 from hookprof.tracing.tracer import HOST_DEVICE
@@ -128,11 +128,9 @@ class KinetoExport:
                 tree = None  # (a borrowing step's identities are its template's)
                 reason = NO_TEMPLATE if template is None else borrow(
                     template, stats, converted, instants, base, options.record_dataflow, options.record_memory)
-                lighter = None if reason is None or template is None else without_extra_ops(template, converted)
-                if lighter is not None and borrow(lighter, stats, converted, instants, base, options.record_dataflow,
-                                                  options.record_memory) is None:
-                    reason = None  # (and the fit's next steps borrow the same, unless a newer walk's came meanwhile)
-                    TEMPLATES.replace(token, template, lighter)
+                if reason not in (None, NO_TEMPLATE) and borrow_lighter(
+                        template, stats, converted, instants, base, options.record_dataflow, options.record_memory):
+                    reason = None
                 if reason is not None:
                     stats.metadata[DATAFLOW_MISSING] = reason
                     self.report_mismatch(reason)

@@ -16,9 +16,9 @@ next ones:
   arrows for that step and the reason in its metadata (`DATAFLOW_MISSING`). The allocations, their frees
   and the ops that made them come from the step itself; only which allocation each op read comes from the
   template;
-- a walked step that ran one run of ops the later steps do not (a DDP fit's second step rebuilds its gradient
-  buckets) lends them the template without those ops (`without_extra_ops`), which the fit keeps once a step
-  joins it;
+- a walked step that ran one run of ops a later step does not (a DDP fit's second step rebuilds its gradient
+  buckets) lends it the template without those ops (`borrow_lighter`), which the template keeps for the next
+  steps like it;
 - a borrowing step whose nodes, allocations and frees come in the same order as the fit's last borrowing
   step's (`_layout`: on CPU, every step of a training loop but a few) has that step's arrows, outputs and
   allocations, place by place, with its own nodes and times (`BorrowedStep`): its allocations are not joined
@@ -153,6 +153,10 @@ class IdentityTemplate:
     # what the fit's last borrowing step (or its walked step: `leave_walked`) found, for its next one of the same
     # layout
     last: BorrowedStep | None = dataclasses.field(default=None, compare=False, repr=False)
+    # this template without one run of its ops that a step lacked, once a step borrowed it (`borrow_lighter`);
+    # whether this template is one such (none is made of it again: its keys are another template's places)
+    lighter: IdentityTemplate | None = dataclasses.field(default=None, compare=False, repr=False)
+    derived: bool = dataclasses.field(default=False, compare=False, repr=False)
 
     @functools.cached_property
     def held(self) -> dict[Hashable, TensorDescription]:
@@ -176,11 +180,17 @@ def without_extra_ops(template: IdentityTemplate, step: StepRows) -> IdentityTem
     have reads data that one of the others made (the step lacks it: what that op read there cannot be known).
     The ops that both have read what they read in the template's step, and make what they made there, each
     at its new place. A step given identities so is still checked against its own allocations
-    (`apply_template`)."""
+    (`apply_template`).
+
+    This assumes that what the run made and left stands, in the steps without it, where an earlier step's run
+    left it: an op before the run that read data the run then replaces would read, without the run, what ops
+    after it read, and no arrow joins the two (a writer before the run and a reader after it, say). Nothing in
+    the step's allocations can show that; the DDP rebuild does not do it (`tests/test_step_identity.py` holds
+    each step so borrowing to its own walk). Only a walked step's template is so lightened."""
     signatures = template.signatures
     main = [row[SIGNATURE] for row in _step_rows(step.rows())]
     extra = len(signatures) - len(main)
-    if extra <= 0 or not main:
+    if extra <= 0 or not main or template.derived:
         return None
     count = len(main)
     first = 0  # (how many ops both start with)
@@ -234,7 +244,24 @@ def without_extra_ops(template: IdentityTemplate, step: StepRows) -> IdentityTem
     written = template.written[:first] + template.written[end:]
     lasting = frozenset(kept[key] for key in template.lasting if key in kept)
     return IdentityTemplate(signatures[:first] + signatures[end:], reads, written, made, template.interned, via,
-                            lasting)
+                            lasting, derived=True)
+
+
+def borrow_lighter(template: IdentityTemplate, stats: StepStats, step: StepRows, instants: list[KinetoEvent],
+                   base: int, dataflow: bool, memory: bool) -> bool:
+    """Where `step` could not borrow from `template` (a walked step's), give it what the template without one run
+    of its ops gives (`without_extra_ops`), as `borrow` does; whether it could. The template keeps that lighter
+    one for the fit's next steps like it, and stays the fit's template: a fit whose walked step was the odd one
+    (DDP's bucket rebuild) borrows the lighter one at each step, one whose step without the run is the odd one
+    (a step a `GradScaler` skips) borrows from the walked step's again at the next."""
+    kept = template.lighter
+    if kept is not None and borrow(kept, stats, step, instants, base, dataflow, memory) is None:
+        return True
+    lighter = without_extra_ops(template, step)
+    if lighter is None or borrow(lighter, stats, step, instants, base, dataflow, memory) is not None:
+        return False
+    template.lighter = lighter
+    return True
 
 
 def _step_rows(rows: list[Row]) -> list[Row]:
