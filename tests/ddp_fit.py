@@ -1,5 +1,5 @@
-"""One 2-rank DDP `Trainer.fit`, for tests/test_ddp_agree.py and tests/test_cuda.py: `python tests/ddp_fit.py
-SCENARIO OUT`. Gloo on CPU, except the `agree_on_*` scenarios (`DefaultGroupNotGloo`).
+"""One 2-rank DDP `Trainer.fit`, for tests/test_ddp_agree.py, tests/test_step_identity.py and tests/test_cuda.py:
+`python tests/ddp_fit.py SCENARIO OUT`. Gloo on CPU, except the `agree_on_*` scenarios (`DefaultGroupNotGloo`).
 
 Each rank writes what it saw to `OUT/rank<r>.json` (its global step at the end, the steps it saved or traced).
 The process group times out after `TIMEOUT` seconds, so a rank left waiting in a collective fails the fit
@@ -24,6 +24,7 @@ from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
 
 from hookprof import SessionRunHook  # noqa: E402
 from hookprof.profiler import Profiler  # noqa: E402
+from hookprof.tracing.step_identity import DATAFLOW_MISSING  # noqa: E402
 from hookprof.triggers import NonFinite  # noqa: E402
 from lightning_prof import CheckpointSaverHook, CheckpointSaverListener, HookCallback, NanTensorHook, ProfilerHook  # noqa: E402
 from lightning_prof.hook_callback import LightningSession  # noqa: E402
@@ -200,6 +201,17 @@ def main(scenario: str, out: str) -> None:
         max_steps = 2
         callbacks = [cost, HookCallback([SessionRunHook()])]
         record["agree_us"] = cost.micros
+    elif scenario == "identities_both_paths":  # (tests/test_step_identity.py: each step walked, and borrowing)
+        from tests.test_step_identity import BothPaths
+
+        paths = BothPaths()
+        callbacks = [paths]
+    elif scenario == "identities_every_step":
+        from tests.test_step_identity import FitIdentities
+
+        probe = FitIdentities()
+        hook = ProfilerHook(save_steps=1, output_dir=os.path.join(out, "prof"))
+        callbacks = [hook, probe]
     elif scenario in ("agree_on_fake", "agree_on_nccl"):
         seen = AgreementGroup()
         callbacks = [HookCallback([StopOnRank(rank=1, step=3), seen])]
@@ -224,6 +236,15 @@ def main(scenario: str, out: str) -> None:
         live = set(dist.distributed_c10d._world.pg_map) if dist.is_initialized() else set()
         record.update(default_backend=seen.default_backend, agreement_backends=seen.backends,
                       agreement_groups=len(seen.groups), agreement_group_left=bool(seen.groups & live))
+    if scenario == "identities_both_paths":
+        from tests.test_step_identity import edges, memory, outputs
+
+        record["steps"] = [{"step": step, "missing": borrowed.metadata.get(DATAFLOW_MISSING),
+                            "edges": len(walked.edges),
+                            "same": [edges(borrowed) == edges(walked), memory(borrowed) == memory(walked),
+                                     outputs(borrowed) == outputs(walked)]} for step, walked, borrowed in paths.steps]
+    if scenario == "identities_every_step":
+        record.update(paths=hook.saved_paths, walks=probe.identities.walks)
     if scenario == "straggler":
         with open(os.path.join(out, f"rank{rank}.prof"), "wb") as f:
             f.write(profiler.serialize_to_string())

@@ -24,6 +24,7 @@ from hookprof.tracing.torch_tracer import TorchTracer
 from lightning_prof import ProfilerHook
 from tests.conftest import load_trace, skip_where_cuda_started
 from tests.lightning_models import HeldAtTheEnd, TinyModel, loader, trainer
+from tests.test_ddp_agree import fit as ddp_fit
 
 TENSORS = RunOptions(trace_level=TraceLevel.FULL_TRACE, record_dataflow=True, record_memory=True)
 
@@ -659,7 +660,6 @@ def test_a_template_with_one_run_of_extra_ops_lends_what_its_other_ops_read_at_t
                              [(0, ("made", 2, 0), t), (1, ("before", ("made", 2, 0)), t),
                               (2, ("before", ("made", 1, 0)), t), (3, ("before", 7), t), (4, ("made", -2, 0), t)]]
     assert lighter.written == [frozenset(), frozenset(), frozenset({0}), frozenset()]
-    assert lighter.lasting == {("made", 2, 0)}
     assert lighter.derived and without_extra_ops(lighter, identity_rows(["A", "B", "C"])) is None  # (never again)
     # a read of a temporary of theirs (gone at the step's end): what the op reads without them is unknown
     for temporary in (("made", 2, 0), ("made", 1, 0)):  # (X's own; Y's, which B owns)
@@ -728,83 +728,26 @@ def test_a_template_lends_nothing_where_its_extra_ops_are_not_one_run_that_can_b
     assert without_extra_ops(template, identity_rows(step_ops)) is None
 
 
-def run_on_two_ranks(tmp_path, template):
-    """Run the script `template` (a 2-rank DDP fit that writes `rank<r>.json` into its argument, `tmp_path`) in a
-    process of its own: what each rank wrote, rank 0's first."""
-    import json
-    import subprocess
-    import sys
-
-    script = tmp_path / "fit.py"
-    script.write_text(template.format(repo=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-    done = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=300,
-                          cwd=str(tmp_path))
-    assert done.returncode == 0, done.stderr[-3000:]
-    return [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
-
-
-DDP_BOTH_PATHS = """
-import json, os, sys
-sys.path.insert(0, {repo!r})
-import lightning as L
-from tests.lightning_models import TinyModel, loader
-from tests.test_step_identity import BothPaths, edges, memory, outputs
-from hookprof.tracing.step_identity import DATAFLOW_MISSING
-
-if __name__ == "__main__":
-    paths = BothPaths()
-    L.Trainer(strategy="ddp", devices=2, accelerator="cpu", max_steps=5, callbacks=[paths], logger=False,
-              enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-              default_root_dir=sys.argv[1]).fit(TinyModel(), loader())
-    import torch.distributed as dist
-    found = [{{"step": step, "missing": borrowed.metadata.get(DATAFLOW_MISSING), "edges": len(walked.edges),
-              "same": [edges(borrowed) == edges(walked), memory(borrowed) == memory(walked),
-                       outputs(borrowed) == outputs(walked)]}} for step, walked, borrowed in paths.steps]
-    with open(os.path.join(sys.argv[1], f"rank{{dist.get_rank()}}.json"), "w") as f:
-        json.dump(found, f)
-"""
-
-
 def test_ddp_steps_borrow_from_the_step_that_rebuilt_its_buckets_what_their_own_walk_finds(tmp_path):
     """Under DDP (2 ranks, gloo) the second step rebuilds the gradient buckets (broadcasts, copies, allocations:
     ops no later step runs). Every step walks its tree, and is converted again borrowing the step before's
-    identities: the third step, borrowing from the second's, has its own walk's arrows, memory objects and
-    outputs, as the fourth does; the fifth, the second epoch's first (each rank has 4 batches), runs more ops."""
-    for found in run_on_two_ranks(tmp_path, DDP_BOTH_PATHS):
-        steps = {step["step"]: step for step in found}
-        assert sorted(steps) == [2, 3, 4, 5]
+    identities (`tests/ddp_fit.py`): the third step, borrowing from the second's, has its own walk's arrows,
+    memory objects and outputs, as every later one does."""
+    for rank in ddp_fit("identities_both_paths", tmp_path):
+        steps = {step["step"]: step for step in rank["steps"]}
+        assert sorted(steps) == list(range(2, 9))
         # (the second step, which rebuilt the buckets, has more ops than the first: it cannot borrow from it)
         assert "ops differ" in steps[2]["missing"]
-        for step in (3, 4):
+        for step in range(3, 9):
             assert steps[step]["missing"] is None and steps[step]["edges"] > 40, step
             assert steps[step]["same"] == [True, True, True], step
-        assert "ops differ" in steps[5]["missing"]
-
-
-DDP_EVERY_STEP = """
-import json, os, sys
-sys.path.insert(0, {repo!r})
-import lightning as L
-from lightning_prof import ProfilerHook
-from tests.lightning_models import TinyModel, loader
-from tests.test_step_identity import FitIdentities
-
-if __name__ == "__main__":
-    hook, probe = ProfilerHook(save_steps=1, output_dir=os.path.join(sys.argv[1], "prof")), FitIdentities()
-    trainer = L.Trainer(strategy="ddp", devices=2, accelerator="cpu", max_steps=8, callbacks=[hook, probe],
-                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, default_root_dir=sys.argv[1])
-    trainer.fit(TinyModel(), loader(n=256))
-    with open(os.path.join(sys.argv[1], f"rank{{trainer.global_rank}}.json"), "w") as f:
-        json.dump({{"paths": hook.saved_paths, "walks": probe.identities.walks}}, f)
-"""
 
 
 def test_a_ddp_fit_traced_every_step_draws_arrows_from_the_third_step_on_with_one_walk(tmp_path):
-    """A 2-rank DDP fit traced every step with the defaults: its first traced step (the second, which rebuilt
-    the gradient buckets) is walked, and every later step, rendered by the render worker, borrows what that walk
-    found without the rebuild's ops: arrows on each, and no second walk."""
-    for rank, found in enumerate(run_on_two_ranks(tmp_path, DDP_EVERY_STEP)):
+    """A 2-rank DDP fit traced every step with the defaults (`tests/ddp_fit.py`): its first traced step (the
+    second, which rebuilt the gradient buckets) is walked, and every later step, rendered by the render worker,
+    borrows what that walk found without the rebuild's ops: arrows on each, and no second walk."""
+    for rank, found in enumerate(ddp_fit("identities_every_step", tmp_path)):
         assert found["walks"] == 1, rank
         traced = {int(path.rsplit("-", 2)[1]): load_trace(path) for path in found["paths"]}
         assert {2, 3, 4} <= set(traced), (rank, sorted(traced))  # (a later one may wait for the disk: skipped)

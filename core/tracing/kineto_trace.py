@@ -42,7 +42,6 @@ from hookprof.tracing.step_identity import (
     StepRows,
     add_tree_records,
     borrow,
-    borrow_lighter,
     build_template,
     leave_walked,
 )
@@ -128,9 +127,6 @@ class KinetoExport:
                 tree = None  # (a borrowing step's identities are its template's)
                 reason = NO_TEMPLATE if template is None else borrow(
                     template, stats, converted, instants, base, options.record_dataflow, options.record_memory)
-                if reason not in (None, NO_TEMPLATE) and borrow_lighter(
-                        template, stats, converted, instants, base, options.record_dataflow, options.record_memory):
-                    reason = None
                 if reason is not None:
                     stats.metadata[DATAFLOW_MISSING] = reason
                     self.report_mismatch(reason)

@@ -17,8 +17,8 @@ next ones:
   and the ops that made them come from the step itself; only which allocation each op read comes from the
   template;
 - a walked step that ran one run of ops a later step does not (a DDP fit's second step rebuilds its gradient
-  buckets) lends it the template without those ops (`borrow_lighter`), which the template keeps for the next
-  steps like it;
+  buckets) lends it the template without those ops (`borrow`), which the template keeps for the next steps
+  like it;
 - a borrowing step whose nodes, allocations and frees come in the same order as the fit's last borrowing
   step's (`_layout`: on CPU, every step of a training loop but a few) has that step's arrows, outputs and
   allocations, place by place, with its own nodes and times (`BorrowedStep`): its allocations are not joined
@@ -153,8 +153,8 @@ class IdentityTemplate:
     # what the fit's last borrowing step (or its walked step: `leave_walked`) found, for its next one of the same
     # layout
     last: BorrowedStep | None = dataclasses.field(default=None, compare=False, repr=False)
-    # this template without one run of its ops that a step lacked, once a step borrowed it (`borrow_lighter`);
-    # whether this template is one such (none is made of it again: its keys are another template's places)
+    # this template without one run of its ops that a step lacked, once a step borrowed it (`borrow`); whether
+    # this template is one such (none is made of it again: its keys are another template's places)
     lighter: IdentityTemplate | None = dataclasses.field(default=None, compare=False, repr=False)
     derived: bool = dataclasses.field(default=False, compare=False, repr=False)
 
@@ -212,7 +212,6 @@ def without_extra_ops(template: IdentityTemplate, step: StepRows) -> IdentityTem
     # op around them owns (DDP's bucket rebuild allocates in `aten::empty` ops right inside its forward)
     kept: dict[tuple, tuple] = {}  # ("made", at, rank) of an allocation that stays -> its key after
     made: dict[int, list[tuple[int, str]]] = {}
-    via: dict[tuple, int] = {}
     for at, allocations in template.made.items():
         if first <= at < end:
             continue
@@ -220,12 +219,9 @@ def without_extra_ops(template: IdentityTemplate, step: StepRows) -> IdentityTem
         for rank, allocation in enumerate(allocations):
             key = ("made", at, rank)
             inside = template.via.get(key)
-            if inside is not None and first <= inside < end:
-                continue
-            kept[key] = new = ("made", place(at), len(mine))
-            mine.append(allocation)
-            if inside is not None:
-                via[new] = place(inside)
+            if inside is None or not first <= inside < end:
+                kept[key] = ("made", place(at), len(mine))
+                mine.append(allocation)
     reads = []
     for at, op_reads in enumerate(template.reads):
         if first <= at < end:
@@ -242,26 +238,8 @@ def without_extra_ops(template: IdentityTemplate, step: StepRows) -> IdentityTem
             mapped.append((argument, key, tensor))
         reads.append(mapped)
     written = template.written[:first] + template.written[end:]
-    lasting = frozenset(kept[key] for key in template.lasting if key in kept)
-    return IdentityTemplate(signatures[:first] + signatures[end:], reads, written, made, template.interned, via,
-                            lasting, derived=True)
-
-
-def borrow_lighter(template: IdentityTemplate, stats: StepStats, step: StepRows, instants: list[KinetoEvent],
-                   base: int, dataflow: bool, memory: bool) -> bool:
-    """Where `step` could not borrow from `template` (a walked step's), give it what the template without one run
-    of its ops gives (`without_extra_ops`), as `borrow` does; whether it could. The template keeps that lighter
-    one for the fit's next steps like it, and stays the fit's template: a fit whose walked step was the odd one
-    (DDP's bucket rebuild) borrows the lighter one at each step, one whose step without the run is the odd one
-    (a step a `GradScaler` skips) borrows from the walked step's again at the next."""
-    kept = template.lighter
-    if kept is not None and borrow(kept, stats, step, instants, base, dataflow, memory) is None:
-        return True
-    lighter = without_extra_ops(template, step)
-    if lighter is None or borrow(lighter, stats, step, instants, base, dataflow, memory) is not None:
-        return False
-    template.lighter = lighter
-    return True
+    return IdentityTemplate(signatures[:first] + signatures[end:], reads, written, made, template.interned,
+                            derived=True)
 
 
 def _step_rows(rows: list[Row]) -> list[Row]:
@@ -548,7 +526,27 @@ def borrow(template: IdentityTemplate, stats: StepStats, step: StepRows, instant
     """Give a step the arrows and memory records (those `dataflow` and `memory` ask for) that `template`'s
     identities make of its own export (`step`: its rows; its `[memory]` instants, its times after `base` ns); or
     say why they do not fit it. A step of the layout of the fit's last borrowing step takes what that one found
-    (`BorrowedStep`)."""
+    (`BorrowedStep`). A step that lacks one run of the template's ops takes what the template without them gives
+    (`without_extra_ops`), which the template keeps for the next steps like it (`IdentityTemplate.lighter`) and
+    stays the fit's: a fit whose walked step was the odd one (DDP's bucket rebuild) borrows the lighter one at
+    each step, one whose step without the run is the odd one (a step a `GradScaler` skips) borrows the walked
+    step's own again at the next."""
+    reason = _borrow_from(template, stats, step, instants, base, dataflow, memory)
+    if reason is None:
+        return None
+    kept = template.lighter
+    if kept is not None and _borrow_from(kept, stats, step, instants, base, dataflow, memory) is None:
+        return None
+    lighter = without_extra_ops(template, step)
+    if lighter is None or _borrow_from(lighter, stats, step, instants, base, dataflow, memory) is not None:
+        return reason
+    template.lighter = lighter
+    return None
+
+
+def _borrow_from(template: IdentityTemplate, stats: StepStats, step: StepRows, instants: list[KinetoEvent],
+                 base: int, dataflow: bool, memory: bool) -> str | None:
+    """`borrow` from `template` as it is."""
     host = stats.device(HOST_DEVICE)
     matched = step.matched(template)
     if matched is None:
