@@ -55,6 +55,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/trace_size.py
 	$(BIN)/python bench/traced_fit_cost.py
 	$(BIN)/python bench/traced_step_vs_torch.py
+	$(BIN)/python bench/step_phases.py
 	$(BIN)/python bench/identity_sources.py
 	$(BIN)/python bench/op_durations.py
 	$(BIN)/python bench/writer_throughput.py
