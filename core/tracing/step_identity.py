@@ -531,11 +531,16 @@ def borrow(template: IdentityTemplate, stats: StepStats, step: StepRows, instant
     stays the fit's: a fit whose walked step was the odd one (DDP's bucket rebuild) borrows the lighter one at
     each step, one whose step without the run is the odd one (a step a `GradScaler` skips) borrows the walked
     step's own again at the next."""
+    kept = template.lighter
+    # (a step converted as one that borrowed the lighter one has its ops: tried first, the walked step's rows,
+    # which would say at once that they differ, are not made at each step)
+    first = kept is not None and step.matched(kept) is not None
+    if first and _borrow_from(kept, stats, step, instants, base, dataflow, memory) is None:
+        return None
     reason = _borrow_from(template, stats, step, instants, base, dataflow, memory)
     if reason is None:
         return None
-    kept = template.lighter
-    if kept is not None and _borrow_from(kept, stats, step, instants, base, dataflow, memory) is None:
+    if kept is not None and not first and _borrow_from(kept, stats, step, instants, base, dataflow, memory) is None:
         return None
     lighter = without_extra_ops(template, step)
     if lighter is None or _borrow_from(lighter, stats, step, instants, base, dataflow, memory) is not None:
