@@ -437,13 +437,22 @@ def test_the_worker_ends_with_the_training_process(tmp_path, how):
         assert time.monotonic() - started < 4
 
 
-def test_dataloader_workers_forked_beside_the_render_worker_leave_it_alone(tmp_path):
+def test_dataloader_workers_forked_beside_the_render_worker_leave_it_alone(tmp_path, caplog):
+    """Forked DataLoader workers (copies of the training process, its render worker's pipes included) neither
+    end nor confuse the render worker: every traced step is written but those dropped because the worker was
+    still busy with the ones before (millisecond steps traced every step on 2 shared cores: the policy, counted,
+    one warning); none fails to render."""
     out = tmp_path / "prof"
     data = loader(n=96)
     data = torch.utils.data.DataLoader(data.dataset, batch_size=8, num_workers=2)
-    fit = trainer(str(tmp_path), [ProfilerHook(save_steps=1, output_dir=str(out))], max_steps=12)
-    fit.fit(TinyModel(), data)
-    assert sorted(int(p.name.split("-")[1].split(".")[0]) for p in out.glob("timeline-*")) == list(range(2, 13))
+    hook = ProfilerHook(save_steps=1, output_dir=str(out))
+    with caplog.at_level(logging.WARNING):
+        trainer(str(tmp_path), [hook], max_steps=12).fit(TinyModel(), data)
+    written = sorted(int(p.name.split("-")[1].split(".")[0]) for p in out.glob("timeline-*"))
+    busy = [r for r in caplog.records if "was still rendering the previous" in r.getMessage()]
+    assert len(written) + hook.hook.dropped_outputs == 11 and set(written) <= set(range(2, 13)) and len(written) >= 8
+    assert hook.hook.dropped_outputs == 0 or busy  # (only ever dropped as busy)
+    assert not [r.getMessage() for r in caplog.records if "render" in r.getMessage() and r not in busy]
 
 
 def test_the_next_export_runs_while_the_worker_renders_the_previous_step(tmp_path):
@@ -528,6 +537,26 @@ def test_exports_are_removed_once_rendered_and_a_dead_processs_are_removed_later
     gc.collect()
     assert [p.name for p in mine.iterdir()] == [".owner"]
     assert [os.path.basename(p) for p in hook.saved_paths] == ["timeline-2.json", "timeline-4.json"]
+
+
+def test_a_forked_child_starts_its_own_render_worker_and_leaves_the_parents_alone():
+    """A process forked while the render worker runs (a DataLoader worker) holds none: a call there starts a
+    worker of its own (the parent's pipes are never written from two processes), and the parent's answers on."""
+    assert worker.WORKER.call(len, "ab") == 2
+    parent_worker = worker.WORKER._process
+    pid = os.fork()
+    if pid == 0:
+        try:
+            fresh = worker.WORKER._process is None and not worker.WORKER._outstanding
+            ok = fresh and worker.WORKER.call(len, "abc") == 3 and worker.WORKER._process is not parent_worker
+            worker.WORKER.stop()
+        finally:
+            os._exit(0 if locals().get("ok") else 1)
+    try:
+        assert os.waitpid(pid, 0)[1] == 0
+        assert worker.WORKER._process is parent_worker and worker.WORKER.call(len, "abcd") == 4
+    finally:
+        worker.WORKER.stop()
 
 
 def test_a_forked_child_leaves_the_parents_exports_alone(tmp_path):
